@@ -1,0 +1,170 @@
+"""The standard workload: a small character-level transformer LM, supervised by rollback-supervisor.
+
+Runs stand-alone (local MLflow sqlite store and checkpoints under .rollback/) or under
+`rollback-supervisor run`, which hands it a launch plan through the environment.
+
+    python examples/charlm.py --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from supervisor.runtime import Session
+
+DATA = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+
+#: name -> (d_model, n_layers, n_heads, seq_len). `tiny` runs 300 steps in well under a minute on 2 cores.
+SIZES = {
+    "tiny": (128, 2, 4, 64),
+    "small": (256, 4, 4, 128),
+    "10M": (384, 6, 6, 128),
+    "100M": (1024, 8, 16, 128),
+}
+
+
+class CharData(Dataset):
+    """Non-overlapping windows of `seq_len + 1` characters from one split of the text."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int):
+        self.ids = ids
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.ids) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.ids[i * self.seq_len : (i + 1) * self.seq_len + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class CharLM(nn.Module):
+    """A pre-norm transformer decoder over characters, dropout on."""
+
+    def __init__(self, vocab: int, d_model: int, n_layers: int, n_heads: int, seq_len: int, dropout: float):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
+        layer = nn.TransformerEncoderLayer(
+            d_model, n_heads, 4 * d_model, dropout, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.embed(x) + self.pos[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
+    """LR multiplier: linear warmup, then cosine decay to `floor`."""
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size preset")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=50, help="log val_loss every N steps")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="stand-alone run directory (default .rollback/)"
+    )
+    p.add_argument("--policy", type=Path, default=None, help="policy YAML for stand-alone runs")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace):
+    """Model, optimizer, scheduler and loaders, all seeded from `args.seed`."""
+    torch.manual_seed(args.seed)
+    text = args.data.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    d_model, n_layers, n_heads, seq_len = SIZES[args.size]
+    split = int(len(ids) * 0.9)
+    train = CharData(ids[:split], seq_len)
+    val = CharData(ids[split:], seq_len)
+    gen = torch.Generator().manual_seed(args.seed)
+    loader = StatefulDataLoader(
+        train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=gen
+    )
+    val_batches = [
+        torch.utils.data.default_collate(
+            [val[i] for i in range(b * args.batch_size, (b + 1) * args.batch_size)]
+        )
+        for b in range(min(args.eval_batches, len(val) // args.batch_size))
+    ]
+    model = CharLM(len(chars), d_model, n_layers, n_heads, seq_len, args.dropout)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    return model, opt, sched, loader, val_batches
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches) -> float:
+    model.eval()
+    losses = [F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimizer]:
+    """Train under a supervisor session; returns the exit code, the model and the optimizer."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    model, opt, sched, loader, val_batches = build(args)
+
+    sess = Session.attach(config=vars(args), workdir=args.workdir, policy=args.policy, run_name="charlm")
+    sess.register(model=model, optimizer=opt, scheduler=sched, data=loader)
+    with sess:
+        for step, (x, y) in sess.loop(loader, max_steps=args.steps):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            sess.log(loss=loss.item(), grad_norm=grad_norm.item(), lr=sched.get_last_lr()[0])
+            if step % args.eval_every == 0 or step == args.steps:
+                sess.log(val_loss=evaluate(model, val_batches))
+    return sess.exit_code, model, opt
+
+
+def main(argv: list[str] | None = None) -> int:
+    return train(parse_args(argv))[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+"""Exit codes of a supervised training process; the README documents them."""
+
+EXIT_OK = 0  #: training finished
+EXIT_FAILED = 1  #: an error in the training code (a traceback on stderr)
+EXIT_STOPPED = 3  #: stopped at the supervisor's request or by a `stop` rule; checkpoint saved
+EXIT_PREEMPTED = 75  #: preempted (SIGTERM or a provider notice); emergency checkpoint saved
+EXIT_ANOMALY = 76  #: an anomaly was seen in process and reported; the supervisor decides what next
+
+DESCRIPTIONS = {
+    EXIT_OK: "finished",
+    EXIT_FAILED: "failed",
+    EXIT_STOPPED: "stopped (checkpoint saved)",
+    EXIT_PREEMPTED: "preempted (emergency checkpoint saved)",
+    EXIT_ANOMALY: "anomaly reported (supervisor decides)",
+}

@@ -1,0 +1,105 @@
+"""The launch plan: what the supervisor tells one training segment (which checkpoint, skip, LR scale)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisor.errors import UserError
+
+PLAN_ENV = "ROLLBACK_SUPERVISOR_PLAN"
+
+
+@dataclass(frozen=True)
+class RestoreSpec:
+    """Where a segment starts: a checkpoint id (None = latest valid, or scratch), batches to skip, LR factor."""
+
+    checkpoint_id: str | None = None
+    skip_batches: int = 0
+    lr_scale: float = 1.0
+    from_scratch: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one training segment needs; written by the supervisor as JSON, read by the training side."""
+
+    lineage: str
+    workdir: str
+    checkpoint_dir: str
+    tracking_uri: str
+    experiment: str = "rollback-supervisor"
+    run_id: str | None = None
+    segment: int = 0
+    policy_path: str | None = None
+    restore: RestoreSpec = field(default_factory=RestoreSpec)
+    history: dict[str, Any] = field(default_factory=dict)
+    supervised: bool = True
+
+    @property
+    def events_path(self) -> Path:
+        return Path(self.workdir) / "events.jsonl"
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return Path(self.workdir) / "heartbeat.json"
+
+    @property
+    def faults_path(self) -> Path:
+        return Path(self.workdir) / "faults-fired.json"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LaunchPlan:
+        data = dict(data)
+        data["restore"] = RestoreSpec(**data.get("restore", {}))
+        return cls(**data)
+
+    def write(self, path: Path) -> Path:
+        """Write atomically (temp file + rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> LaunchPlan:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise UserError(f"{PLAN_ENV}={path}: plan file does not exist") from None
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise UserError(
+                f"{path}: expected a launch plan written by rollback-supervisor, got: {exc}"
+            ) from None
+
+
+def standalone_plan(run_name: str, workdir: Path | None, policy: Path | None) -> LaunchPlan:
+    """A plan for running without a supervisor: everything local under `.rollback/`."""
+    root = Path(workdir) if workdir else Path.cwd() / ".rollback"
+    run_dir = root / "standalone" / f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return LaunchPlan(
+        lineage=run_dir.name,
+        workdir=str(run_dir),
+        checkpoint_dir=str(run_dir / "checkpoints"),
+        tracking_uri=f"sqlite:///{(root / 'mlflow.db').resolve()}",
+        policy_path=str(policy) if policy else None,
+        supervised=False,
+    )
+
+
+def load_plan(run_name: str, workdir: Path | None = None, policy: Path | None = None) -> LaunchPlan:
+    """The supervisor's plan from `$ROLLBACK_SUPERVISOR_PLAN`, or a stand-alone one."""
+    path = os.environ.get(PLAN_ENV)
+    if path:
+        return LaunchPlan.read(Path(path))
+    return standalone_plan(run_name, workdir, policy)
