@@ -1,0 +1,184 @@
+"""`policy explain`: what a policy does, in plain words, for every event type."""
+
+from __future__ import annotations
+
+from policies.monitor_schema import (
+    DivergenceSpec,
+    HangSpec,
+    NonFiniteSpec,
+    PlateauSpec,
+    SpikeSpec,
+    ThresholdSpec,
+)
+from policies.schema import Policy, Rule
+from policies.targets import BeforeTarget, BestBeforeTarget, BestTarget, CustomTarget, LatestTarget
+from supervisor.events import EVENT_TYPES
+
+_BETTER = {"min": "lowest", "max": "highest"}
+_LOWER = {"min": "lower", "max": "higher"}
+
+
+def explain(policy: Policy) -> str:
+    """The whole policy in plain words: checkpoints, detectors, one line per event type, budgets."""
+    lines = [f"Policy: {policy.name}", "", "Checkpoints", *_checkpoints(policy), ""]
+    lines += [f"Watching (every {policy.monitor.poll_seconds:g} s)", *_detectors(policy), ""]
+    lines.append("On each event")
+    width = max(len(t) for t in EVENT_TYPES)
+    for event_type in EVENT_TYPES:
+        lines.append(f"  {event_type:<{width}}  {_on_event(policy, event_type)}")
+    lines += ["", "Limits", *_limits(policy)]
+    return "\n".join(lines) + "\n"
+
+
+def _checkpoints(policy: Policy) -> list[str]:
+    c = policy.checkpoint
+    when = []
+    if c.every_steps is not None:
+        when.append(
+            f"adaptively (Young/Daly), at most every {c.every_steps} steps"
+            if c.adaptive
+            else f"every {c.every_steps} steps"
+        )
+    if c.every_seconds is not None:
+        when.append(f"every {c.every_seconds:g} s")
+    how = f"in the background ({c.memory_slots} memory slots)" if c.async_ else "synchronously"
+    verify = {
+        "full": "hashed in full",
+        "fast": "checked quickly (sizes and manifest)",
+        "none": "not verified",
+    }
+    kept = [f"the newest {c.keep_last}"]
+    if c.keep_best:
+        kept.append(f"the {c.keep_best.count} best by {c.keep_best.metric} ({_BETTER[c.keep_best.mode]})")
+    if c.keep_every_steps:
+        kept.append(f"every multiple of {c.keep_every_steps} steps")
+    lines = [
+        f"  Saved {' or '.join(when)}, {how}, to {c.storage}; {verify[c.verify]} before a restore.",
+        f"  Kept: {_join(kept)}.",
+    ]
+    if c.remote:
+        lines.append(f"  Each checkpoint is also copied to {c.remote}.")
+    return lines
+
+
+def _detectors(policy: Policy) -> list[str]:
+    m = policy.monitor
+    lines = [f"  {spec.type}: {_detector(spec)}" for spec in m.detectors] or ["  no metric detectors."]
+    lines += [f"  log pattern /{p.pattern}/ means {p.type}." for p in m.classifier_patterns]
+    if m.preemption_notice.provider != "none":
+        n = m.preemption_notice
+        where = n.endpoint or f"the {n.provider} metadata service"
+        lines.append(f"  preemption notices: polled from {where} every {n.poll_seconds:g} s.")
+    return lines
+
+
+def _detector(spec: object) -> str:
+    if isinstance(spec, NonFiniteSpec):
+        return f"fires when {_join(spec.metrics, 'or')} is NaN or infinite."
+    if isinstance(spec, SpikeSpec):
+        return (
+            f"fires when {spec.metric} jumps more than {spec.sigmas:g} sigmas above its last {spec.window} "
+            f"points (from step {spec.warmup_steps}, once {spec.min_history} points are in)."
+        )
+    if isinstance(spec, DivergenceSpec):
+        return (
+            f"fires when the {spec.window}-point mean of {spec.metric} stays above {spec.factor:g} x its best "
+            f"for {spec.patience} points in a row."
+        )
+    if isinstance(spec, ThresholdSpec):
+        bounds = [
+            f"{word} {value:g}"
+            for word, value in (("above", spec.above), ("below", spec.below))
+            if value is not None
+        ]
+        return f"fires when {spec.metric} goes {' or '.join(bounds)}."
+    if isinstance(spec, PlateauSpec):
+        return (
+            f"fires when {spec.metric} has not improved ({_LOWER[spec.mode]} is better) by {spec.min_delta:g} "
+            f"for {spec.patience} evaluations."
+        )
+    if isinstance(spec, HangSpec):
+        return f"fires after {spec.seconds:g} s without a heartbeat or metric."
+    raise TypeError(f"unknown detector spec {type(spec).__name__}")
+
+
+def _on_event(policy: Policy, event_type: str) -> str:
+    match = policy.rule_for(event_type)
+    if match is None:
+        return "no rule: the run fails."
+    index, rule = match
+    where = f"rules[{index}]:"
+    if rule.action == "fail":
+        return f"{where} the run fails."
+    if rule.action == "stop":
+        keep = policy.checkpoint.keep_best
+        best = f"the best checkpoint by {keep.metric}" if keep else "the newest checkpoint"
+        return f"{where} stop the run successfully, keeping {best}."
+    verb = "roll back to" if rule.action == "rollback" else "resume from"
+    text = f"{where} {verb} {_target(rule)}"
+    if rule.action == "rollback" and not isinstance(rule.target, BeforeTarget | BestBeforeTarget):
+        text += " saved before the anomaly's onset"
+    extras = []
+    if rule.skip_batches:
+        extras.append(f"skip {rule.skip_batches} batches")
+    if rule.lr_scale != 1.0:
+        extras.append(f"scale the learning rate by {rule.lr_scale:g}")
+    if extras:
+        text += "; " + "; ".join(extras)
+    fallback = "restart from scratch" if rule.allow_scratch else "the run fails"
+    return f"{text}. If there is none, {fallback}."
+
+
+def _target(rule: Rule) -> str:
+    t = rule.target
+    if t is None or isinstance(t, LatestTarget):
+        return "the newest valid checkpoint"
+    if isinstance(t, BestTarget):
+        return f"the valid checkpoint with the {_BETTER[t.mode]} {t.metric}"
+    if isinstance(t, BeforeTarget):
+        return (
+            f"the newest valid checkpoint saved at least {t.lookback_steps} steps before the anomaly's onset"
+        )
+    if isinstance(t, BestBeforeTarget):
+        return (
+            f"the valid checkpoint with the {_BETTER[t.mode]} {t.metric} among those saved at least "
+            f"{t.lookback_steps} steps before the anomaly's onset"
+        )
+    assert isinstance(t, CustomTarget)
+    return f"the checkpoint chosen by {t.build()}"
+
+
+def _limits(policy: Policy) -> list[str]:
+    lim, b = policy.limits, policy.limits.backoff
+    lines = [
+        f"  At most {lim.max_rollbacks} rollbacks and {lim.max_restarts} restarts (resume or rollback) per run; "
+        "one more fails the run."
+    ]
+    wait = f"  Before each relaunch wait {b.initial_seconds:g} s"
+    if b.multiplier > 1:
+        wait += f", {b.multiplier:g}x longer each time up to {b.max_seconds:g} s"
+    wait += ", jittered to 50-100%" if b.jitter else ""
+    lines.append(f"{wait}; relaunches older than {b.reset_after_seconds:g} s no longer lengthen it.")
+    e = lim.escalation
+    if e is None:
+        lines.append("  Rollback loops are not detected.")
+    elif e.max_escalations == 0:
+        lines.append(
+            f"  Rollback loops: the same anomaly recurring within {e.same_step_window} steps of an earlier "
+            "rollback's onset fails the run."
+        )
+    else:
+        lines.append(
+            f"  Rollback loops: when the same anomaly recurs within {e.same_step_window} steps of an earlier "
+            f"rollback's onset, the lookback grows {e.lookback_multiplier:g}x per recurrence for up to "
+            f"{_times(e.max_escalations)}; the next recurrence fails the run."
+        )
+    return lines
+
+
+def _times(n: int) -> str:
+    return "1 recurrence" if n == 1 else f"{n} recurrences"
+
+
+def _join(items: list[str], word: str = "and") -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {word} " + items[-1]

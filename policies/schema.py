@@ -1,0 +1,255 @@
+"""The policy file, version 1: what to checkpoint, what to watch, and what to do about each event."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from policies.base import Spec, problem
+from policies.monitor_schema import MonitorConfig
+from policies.targets import Target
+from supervisor.events import EventType
+
+Mode = Literal["min", "max"]
+Action = Literal["resume", "rollback", "stop", "fail"]
+ACTIONS: tuple[str, ...] = Action.__args__  # type: ignore[attr-defined]
+RELAUNCH_ACTIONS = frozenset({"resume", "rollback"})
+
+
+class KeepBest(Spec):
+    """Keep the `count` best checkpoints by one metric."""
+
+    metric: str = Field(min_length=1, description="Metric recorded with each checkpoint, e.g. val_loss.")
+    mode: Mode = Field("min", description="`min` if lower is better, `max` if higher is better.")
+    count: int = Field(1, ge=1, description="How many of the best checkpoints to keep.")
+
+
+class CheckpointConfig(Spec):
+    """When checkpoints are written, where, how many are kept and how they are verified."""
+
+    every_steps: int | None = Field(
+        200, ge=1, description="Save every this many steps; with `adaptive`, the longest allowed interval."
+    )
+    every_seconds: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Also save when this many seconds passed since the last save.",
+    )
+    adaptive: bool = Field(
+        False,
+        description="Pick the interval from the measured save cost and observed failure rate (Young/Daly), "
+        "capped by `every_steps`.",
+    )
+    keep_last: int = Field(3, ge=1, description="Keep this many newest checkpoints.")
+    keep_best: KeepBest | None = Field(
+        None, description="Also keep the best checkpoints by a metric; null for none."
+    )
+    keep_every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also keep forever every checkpoint whose step is a multiple of this; null for none.",
+    )
+    async_: bool = Field(
+        True, alias="async", description="Write checkpoints in the background while training continues."
+    )
+    memory_slots: int = Field(2, ge=1, description="In-memory staging buffers for asynchronous saves.")
+    storage: str = Field(
+        "./checkpoints", min_length=1, description="Local directory or fsspec URL of the store."
+    )
+    remote: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z][A-Za-z0-9+.-]*://.+",
+        examples=["s3://bucket/run"],
+        description="fsspec URL (e.g. s3://bucket/run) of a remote tier each checkpoint is copied to; null for none.",
+    )
+    verify: Literal["full", "fast", "none"] = Field(
+        "full",
+        description="Check before restoring: `full` hashes every byte, `fast` checks sizes and manifest, `none` skips.",
+    )
+
+    @model_validator(mode="after")
+    def _has_a_trigger(self) -> CheckpointConfig:
+        if self.every_steps is None and self.every_seconds is None:
+            raise problem(
+                "every_steps", "an integer >= 1 when every_seconds is null (nothing would save)", None
+            )
+        if self.adaptive and self.every_steps is None:
+            raise problem("every_steps", "an integer >= 1 as the cap for adaptive: true", None)
+        fixed = self.every_steps is not None and not self.adaptive and self.every_seconds is None
+        if fixed and self.keep_every_steps is not None and self.keep_every_steps % self.every_steps:
+            raise problem(
+                "keep_every_steps",
+                f"a multiple of every_steps ({self.every_steps}) or no checkpoint is ever kept",
+                self.keep_every_steps,
+            )
+        return self
+
+
+class Rule(Spec):
+    """What to do when one of the `when` events arrives; rules are tried in order and the first match wins."""
+
+    when: list[EventType] = Field(min_length=1, description="Event types this rule handles.")
+    action: Action = Field(
+        description="`resume` relaunches from the target, `rollback` relaunches from an earlier checkpoint "
+        "(never one saved at or after the anomaly's onset), `stop` ends the run successfully keeping the best "
+        "checkpoint, `fail` ends it as failed."
+    )
+    target: Target | None = Field(
+        None,
+        description="Checkpoint to relaunch from: {select: latest | best | before | best_before | "
+        '"module:function", ...}. Required for rollback; resume defaults to latest; not allowed for stop or fail.',
+    )
+    skip_batches: int = Field(
+        0,
+        ge=0,
+        description="Data batches to skip after relaunching, to step over the data that caused the event.",
+    )
+    lr_scale: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Factor applied on top of the learning rate restored from the target checkpoint "
+        "(0.5 halves it, 1 leaves it unchanged).",
+    )
+    allow_scratch: bool = Field(
+        False,
+        description="Restart from step 0 when no valid checkpoint matches the target, instead of failing.",
+    )
+
+    @model_validator(mode="after")
+    def _fits_action(self) -> Rule:
+        seen: set[str] = set()
+        for i, event in enumerate(self.when):
+            if event in seen:
+                raise problem(f"when.{i}", "each event type once", event)
+            seen.add(event)
+        if self.action == "rollback" and self.target is None:
+            raise problem(
+                "",
+                "a target for action rollback, e.g. {select: before, lookback_steps: 100}",
+                raw="no target",
+            )
+        if self.action not in RELAUNCH_ACTIONS:
+            for key in ("target", "skip_batches", "lr_scale", "allow_scratch"):
+                if key in self.model_fields_set:
+                    value = getattr(self, key)
+                    found = value.model_dump(by_alias=True) if isinstance(value, Spec) else value
+                    raise problem(key, f"no {key} with action {self.action} (nothing is relaunched)", found)
+        return self
+
+
+class Backoff(Spec):
+    """Delay before each relaunch: exponential, capped, optionally jittered."""
+
+    initial_seconds: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="Delay before the first relaunch."
+    )
+    max_seconds: float = Field(300.0, ge=0, allow_inf_nan=False, description="Longest delay.")
+    multiplier: float = Field(
+        2.0, ge=1, allow_inf_nan=False, description="Each further relaunch waits this many times longer."
+    )
+    jitter: bool = Field(
+        True, description="Randomise each delay between half and all of it (seeded, reproducible)."
+    )
+    reset_after_seconds: float = Field(
+        3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Relaunches older than this no longer lengthen the delay.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Backoff:
+        if self.max_seconds < self.initial_seconds:
+            raise problem(
+                "max_seconds", f"a number >= initial_seconds ({self.initial_seconds:g})", self.max_seconds
+            )
+        return self
+
+
+class Escalation(Spec):
+    """Rollback-loop handling: the same anomaly recurring near the same step after a rollback."""
+
+    same_step_window: int = Field(
+        50,
+        ge=0,
+        description="An anomaly of the same type whose onset is within this many steps of an earlier "
+        "rollback's onset counts as a recurrence.",
+    )
+    lookback_multiplier: float = Field(
+        2.0,
+        ge=1,
+        allow_inf_nan=False,
+        description="On the k-th recurrence the target's lookback_steps is multiplied by this to the power k.",
+    )
+    max_escalations: int = Field(
+        1, ge=0, description="Recurrences handled by a longer lookback; one more fails the run."
+    )
+
+
+class Limits(Spec):
+    """Budgets, backoff and rollback-loop escalation for the whole run."""
+
+    max_rollbacks: int = Field(5, ge=0, description="Most rollbacks per run; the next one fails the run.")
+    max_restarts: int = Field(
+        20,
+        ge=0,
+        description="Most relaunches of any kind (resume and rollback) per run; the next one fails it.",
+    )
+    backoff: Backoff = Field(default_factory=Backoff, description="Delay before each relaunch.")
+    escalation: Escalation | None = Field(
+        default_factory=Escalation, description="Rollback-loop escalation; null turns loop detection off."
+    )
+
+    @model_validator(mode="after")
+    def _rollbacks_fit_restarts(self) -> Limits:
+        if self.max_rollbacks > self.max_restarts:
+            raise problem(
+                "max_rollbacks",
+                f"at most max_restarts ({self.max_restarts}), since every rollback is a restart",
+                self.max_rollbacks,
+            )
+        return self
+
+
+class Policy(Spec):
+    """A rollback policy: checkpointing, monitoring, the rules mapping events to actions, and the limits."""
+
+    version: Literal[1] = Field(description="Schema version of this file; must be 1.")
+    name: str = Field(min_length=1, description="Name shown in logs, MLflow tags and Prefect artifacts.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="When and where checkpoints are written and kept."
+    )
+    monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="What is watched and how often."
+    )
+    rules: list[Rule] = Field(
+        min_length=1,
+        description="Event handling rules, first match wins; events no rule names make the run fail.",
+    )
+    limits: Limits = Field(
+        default_factory=Limits, description="Budgets, backoff and rollback-loop escalation."
+    )
+
+    @model_validator(mode="after")
+    def _no_shadowed_events(self) -> Policy:
+        owner: dict[str, int] = {}
+        for r, rule in enumerate(self.rules):
+            for i, event in enumerate(rule.when):
+                if event in owner:
+                    raise problem(
+                        f"rules.{r}.when.{i}",
+                        f"an event type not already handled by rules[{owner[event]}]",
+                        event,
+                    )
+                owner[event] = r
+        return self
+
+    def rule_for(self, event_type: str) -> tuple[int, Rule] | None:
+        """The first rule handling `event_type`, with its index."""
+        for index, rule in enumerate(self.rules):
+            if event_type in rule.when:
+                return index, rule
+        return None
