@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
+from supervisor.data import ResumableLoader
 from supervisor.runtime import Session
 
 DATA = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
@@ -115,10 +115,7 @@ def build(args: argparse.Namespace):
     split = int(len(ids) * 0.9)
     train = CharData(ids[:split], seq_len)
     val = CharData(ids[split:], seq_len)
-    gen = torch.Generator().manual_seed(args.seed)
-    loader = StatefulDataLoader(
-        train, batch_size=args.batch_size, shuffle=True, drop_last=True, generator=gen
-    )
+    loader = ResumableLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
     val_batches = [
         torch.utils.data.default_collate(
             [val[i] for i in range(b * args.batch_size, (b + 1) * args.batch_size)]

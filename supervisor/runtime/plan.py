@@ -17,12 +17,16 @@ PLAN_ENV = "ROLLBACK_SUPERVISOR_PLAN"
 
 @dataclass(frozen=True)
 class RestoreSpec:
-    """Where a segment starts: a checkpoint id (None = latest valid, or scratch), batches to skip, LR factor."""
+    """Where a segment starts: a checkpoint id (None = latest valid, or scratch), batches to skip, LR factor.
+
+    `rollback` marks every checkpoint committed after the target as an abandoned branch.
+    """
 
     checkpoint_id: str | None = None
     skip_batches: int = 0
     lr_scale: float = 1.0
     from_scratch: bool = False
+    rollback: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class LaunchPlan:
     workdir: str
     checkpoint_dir: str
     tracking_uri: str
+    checkpoint_remote: str | None = None
     experiment: str = "rollback-supervisor"
     run_id: str | None = None
     segment: int = 0
@@ -40,6 +45,7 @@ class LaunchPlan:
     restore: RestoreSpec = field(default_factory=RestoreSpec)
     history: dict[str, Any] = field(default_factory=dict)
     supervised: bool = True
+    supervisor_pid: int | None = None  # the training side stops (emergency checkpoint) if it vanishes
 
     @property
     def events_path(self) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -11,35 +12,75 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import torch
 from mlflow.tracking import MlflowClient
 
 from supervisor import exitcodes
+from supervisor.checkpoint import CheckpointInfo, CheckpointManager
+from supervisor.errors import CheckpointNotFound
+from supervisor.events import Event
+from supervisor.monitor import DetectorSet, HeartbeatWriter, NoticeWatcher, Point, build_detectors
+from supervisor.runtime.cadence import Cadence
+from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.metrics import AsyncMetricLogger
 from supervisor.runtime.plan import LaunchPlan, load_plan
+from supervisor.runtime.wiring import apply_lr_scale, checkpoint_options, load_session_policy, to_records
+from supervisor.state import TrainingState
 
 log = logging.getLogger("rollback_supervisor.session")
+
+#: Signals the supervisor sends: SIGTERM = preempted (emergency checkpoint), SIGUSR2 = stop now, no checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
 
 class Session:
     """One training segment under supervision (or stand-alone on local defaults).
 
-    Not thread-safe: call it from the training loop's thread. `log()` never blocks on the network.
+    Not thread-safe: call it from the training loop's thread. `log()` never blocks on the network;
+    checkpoint writes happen in the background (only the host-memory snapshot blocks a step).
     """
 
     def __init__(self, plan: LaunchPlan, *, config: dict[str, Any] | None = None, run_name: str = "train"):
+        from policies import History
+
         self.plan = plan
-        self.config = dict(config or {})
+        self.config = {k: (str(v) if isinstance(v, Path) else v) for k, v in (config or {}).items()}
         self.run_name = run_name
         self.exit_code = exitcodes.EXIT_OK
+        self.policy = load_session_policy(plan)
+        self.history = History.from_dict(plan.history) if plan.history else History()
+        self.state = TrainingState()
+        self.manager = CheckpointManager(checkpoint_options(self.policy, plan, self.config), self.state)
         self.step = 0
-        self._stateful: dict[str, Any] = {}
-        self._last_metrics: dict[str, float] = {}
+        self.rollbacks_in_process = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._schedulers: list[Any] = []
+        self._loader: Any = None
+        self._restart_iter = False
+        self._step_metrics: dict[str, float] = {}
         self._stop_signal: int | None = None
+        self._stop_reason = ""
         self._old_handlers: dict[int, Any] = {}
-        Path(plan.workdir).mkdir(parents=True, exist_ok=True)
+        self._restored = False
+        self._event_seq = 0
+        workdir = Path(plan.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._faults = FaultInjector.from_env(plan.faults_path)
+        self._heartbeat = HeartbeatWriter(plan.heartbeat_path)
+        self._last_beat = 0.0
+        specs = [d for d in self.policy.monitor.detectors if d.type != "hang"]
+        self._detectors = DetectorSet(build_detectors(specs), source="in_process")
+        ck = self.policy.checkpoint
+        self._cadence = Cadence(ck.every_steps, ck.every_seconds, ck.adaptive, mtbf_s=_mtbf(self.history))
         self._client = MlflowClient(tracking_uri=plan.tracking_uri)
         self.run_id = plan.run_id or self._start_run()
         self._metrics = AsyncMetricLogger(self._client, self.run_id)
+        notice = self.policy.monitor.preemption_notice
+        self._notices = None
+        if notice.provider != "none":
+            self._notices = NoticeWatcher(
+                notice.provider, self._on_notice, endpoint=notice.endpoint, interval=notice.poll_seconds
+            ).start()
 
     @classmethod
     def attach(
@@ -55,15 +96,21 @@ class Session:
 
     def _start_run(self) -> str:
         exp = self._client.get_experiment_by_name(self.plan.experiment)
-        exp_id = exp.experiment_id if exp else self._client.create_experiment(self.plan.experiment)
+        if exp is None:
+            from supervisor.orchestrator import artifact_location
+
+            root = Path(self.plan.tracking_uri.removeprefix("sqlite:///")).parent
+            exp_id = self._client.create_experiment(
+                self.plan.experiment, artifact_location(self.plan.tracking_uri, root)
+            )
+        else:
+            exp_id = exp.experiment_id
         run = self._client.create_run(
             exp_id, run_name=self.run_name, tags={"rollback.lineage": self.plan.lineage}
         )
-        params = {k: str(v)[:500] for k, v in self.config.items()}
+        params = [mlflow.entities.Param(k, str(v)[:500]) for k, v in self.config.items()]
         if params:
-            self._client.log_batch(
-                run.info.run_id, params=[mlflow.entities.Param(k, v) for k, v in params.items()]
-            )
+            self._client.log_batch(run.info.run_id, params=params)
         return run.info.run_id
 
     # -- registration -------------------------------------------------------------------------
@@ -71,63 +118,265 @@ class Session:
     def register(self, **stateful: Any) -> None:
         """Register named objects with `state_dict()`/`load_state_dict()` (model, optimizer, scheduler, data)."""
         for name, obj in stateful.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(
-                    f"register({name}=...): expected an object with state_dict()/load_state_dict()"
+            self.state.register(name, obj)
+            if isinstance(obj, torch.optim.Optimizer):
+                self._optimizers.append(obj)
+                obj.register_step_pre_hook(
+                    lambda opt, args, kwargs: self._faults.before_optimizer_step(self.step, [opt])
                 )
-            self._stateful[name] = obj
+                obj.register_step_post_hook(
+                    lambda opt, args, kwargs: self._faults.after_optimizer_step([opt])
+                )
+            elif hasattr(obj, "base_lrs"):
+                self._schedulers.append(obj)
+            elif hasattr(obj, "skip_batches") or type(obj).__name__ == "StatefulDataLoader":
+                self._loader = obj
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(self) -> CheckpointInfo | None:
+        """Restore per the plan: the named checkpoint (or the latest valid), then skip batches and scale the LR."""
+        self._restored = True
+        spec = self.plan.restore
+        info = None
+        if not spec.from_scratch:
+            which = spec.checkpoint_id or "latest"
+            if spec.checkpoint_id is None and self.manager.latest() is None and self.manager.list():
+                # Checkpoints exist but none is valid: silently retraining from step 0 would hide it.
+                raise CheckpointNotFound(
+                    f"no valid checkpoint among {len(self.manager.list())} in {self.plan.checkpoint_dir}; "
+                    "run `rollback-supervisor checkpoints verify` on it, or restart from scratch on purpose"
+                )
+            if spec.checkpoint_id or self.manager.latest() is not None:
+                t0 = time.monotonic()
+                info = self.manager.restore(which)
+                log.info("restored %s (step %d) in %.3fs", info.id, info.step, time.monotonic() - t0)
+                if spec.rollback:
+                    self.manager.abandon_after(info)
+        self.step = self.state.step
+        self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
+        return info
+
+    def _after_restore(self, skip: int, lr_scale: float, info: CheckpointInfo | None, why: str) -> None:
+        if skip:
+            self._skip(skip)
+        if lr_scale != 1.0:
+            apply_lr_scale(self._optimizers, self._schedulers, lr_scale)
+        self._detectors.reset_segment()
+        self._cadence.start(self.step, time.monotonic())
+        self._restart_iter = True
+        self._metrics.log(
+            {
+                "rollback.restored_step": self.step,
+                "rollback.skip_batches": skip,
+                "rollback.lr_scale": lr_scale,
+            },
+            self.step,
+        )
+        if info is not None or skip or lr_scale != 1.0:
+            log.info(
+                "%s: resumed at step %d from %s, skipped %d batches, lr x%g",
+                why, self.step, info.id if info else "scratch", skip, lr_scale,
+            )  # fmt: skip
+
+    def _skip(self, n: int) -> None:
+        if self._loader is None or not hasattr(self._loader, "skip_batches"):
+            raise TypeError(
+                f"the plan asks to skip {n} batches, but no registered data loader has skip_batches(); "
+                "register a supervisor.data.ResumableLoader as data=..."
+            )
+        self._loader.skip_batches(n)
 
     # -- the loop -----------------------------------------------------------------------------
 
     def loop(self, loader: Iterable, *, max_steps: int) -> Iterator[tuple[int, Any]]:
-        """Yield `(step, batch)` from the restored position until `max_steps`, handling epochs."""
-        iterator = iter(loader)
+        """Yield `(step, batch)` from the restored position until `max_steps`, handling epochs and rollbacks."""
+        if not self._restored:
+            self.restore()
+        iterator = None
         while self.step < max_steps and self._stop_signal is None:
+            if iterator is None or self._restart_iter:
+                iterator, self._restart_iter = iter(loader), False
             try:
                 batch = next(iterator)
             except StopIteration:
-                iterator = iter(loader)
+                iterator = None
+                self.state.epoch += 1
                 continue
             self.step += 1
+            self.state.step = self.step
+            self._step_metrics = {}
             yield self.step, batch
-            self._after_step()
+            self.state.samples_seen += _batch_len(batch)
+            self._after_step(max_steps)
         if self._stop_signal is not None:
-            self.exit_code = exitcodes.EXIT_PREEMPTED
+            self._emergency_stop()
+        elif self.exit_code == exitcodes.EXIT_OK:
+            self._save(self.step, force=True)
+            self.manager.wait()
 
     def log(self, **metrics: float) -> None:
-        """Log metrics at the current step (asynchronously)."""
-        self._last_metrics.update(metrics)
+        """Log metrics at the current step (asynchronously) and feed them to the in-process detectors."""
+        self._step_metrics.update(metrics)
         self._metrics.log(metrics, self.step)
 
-    def _after_step(self) -> None:
-        pass
+    def _after_step(self, max_steps: int) -> None:
+        now = time.monotonic()
+        self._cadence.observe_step(now)
+        if now - self._last_beat >= 0.5:
+            self._heartbeat.beat(self.step, "train")
+            self._last_beat = now
+            if (
+                self.plan.supervisor_pid
+                and not _alive(self.plan.supervisor_pid)
+                and self._stop_signal is None
+            ):
+                # Nobody would act on what we do next: save and stop; the next supervisor resumes us.
+                self._stop_signal, self._stop_reason = signal.SIGTERM, "the supervisor process vanished"
+        wall = time.time()
+        events = [
+            e
+            for k, v in self._step_metrics.items()
+            for e in self._detectors.observe(Point(k, self.step, float(v), wall, self._detectors.segment))
+        ]
+        if events:
+            self._handle_anomaly(events[0])
+            return
+        self._faults.after_step(self.step)
+        if self._stop_signal is None and self.step < max_steps and self._cadence.due(self.step, now):
+            self._save(self.step)
 
-    # -- lifecycle ----------------------------------------------------------------------------
+    def _save(self, step: int, *, force: bool = False) -> None:
+        self._heartbeat.beat(step, "checkpoint")
+        t0 = time.monotonic()
+        metrics = {k: float(v) for k, v in self._step_metrics.items()}
+        # A checkpoint implies its metrics are recorded: after a SIGKILL nothing before it is missing.
+        self._metrics.flush(timeout=10.0)
+        self.manager.save(step, metrics=metrics, force=force)
+        self._cadence.observe_save(time.monotonic() - t0)
+        self._cadence.saved(step, time.monotonic())
+        self._heartbeat.beat(step, "train")
+
+    # -- anomalies ----------------------------------------------------------------------------
+
+    def _handle_anomaly(self, event: Event) -> None:
+        from policies import decide
+
+        self.manager.wait()
+        decision = decide(self.policy, event, self.history, to_records(self.manager.list()), now=time.time())
+        log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
+        if decision.action == "rollback" and decision.target_id is not None:
+            t0 = time.monotonic()
+            target = self.manager.get(decision.target_id)
+            in_ring = "memory" in target.tiers
+            info = self.manager.restore(target)  # the fastest valid tier: memory ring, then disk
+            self.manager.abandon_after(info)
+            self.step = self.state.step
+            self.history = self.history.record(event, decision, time.time())
+            self.rollbacks_in_process += 1
+            self._report(
+                event,
+                decision,
+                handled=True,
+                restore_s=time.monotonic() - t0,
+                tier="memory" if in_ring else "local",
+            )
+            self._after_restore(decision.skip_batches, decision.lr_scale, info, "in-process rollback")
+            return
+        # Anything else (a rollback with no target, resume, stop, fail) is the supervisor's to carry out.
+        self._report(event, decision, handled=False)
+        self._stop_signal, self._stop_reason = signal.SIGUSR2, f"anomaly: {event.reason}"
+        self.exit_code = exitcodes.EXIT_ANOMALY
+
+    def _report(self, event: Event, decision: Any, *, handled: bool, **extra: Any) -> None:
+        """Append the event (and the decision taken in process, if any) to events.jsonl for the supervisor."""
+        self._event_seq += 1
+        record = {
+            "seq": self._event_seq,
+            "pid": os.getpid(),
+            "segment": self.plan.segment,
+            "time": time.time(),
+            "handled_in_process": handled,
+            "event": event.to_dict(),
+            "decision": decision.to_dict() if decision is not None else None,
+            **extra,
+        }
+        with open(self.plan.events_path, "a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    # -- stopping -----------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self._stop_signal = signum
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            self._stop_reason = signal.Signals(signum).name
+
+    def _on_notice(self, notice: Any) -> None:
+        if self._stop_signal is None:
+            self._stop_signal, self._stop_reason = signal.SIGTERM, f"preemption notice: {notice}"
+
+    def _emergency_stop(self) -> None:
+        if self._stop_signal == signal.SIGUSR2:
+            if self.exit_code == exitcodes.EXIT_OK:
+                self.exit_code = exitcodes.EXIT_STOPPED
+            log.warning("stopping at step %d (%s), no checkpoint", self.step, self._stop_reason)
+            return
+        t0 = time.monotonic()
+        self._save(self.step)  # a no-op when this step was just checkpointed
+        self.manager.wait()
+        log.warning(
+            "preempted (%s): emergency checkpoint at step %d in %.2fs",
+            self._stop_reason,
+            self.step,
+            time.monotonic() - t0,
+        )
+        self.exit_code = exitcodes.EXIT_PREEMPTED
 
     def __enter__(self) -> Session:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
-        if exc_type is not None and self.exit_code == exitcodes.EXIT_OK:
+        if exc_type is not None and self.exit_code in (exitcodes.EXIT_OK,):
             self.exit_code = exitcodes.EXIT_FAILED
         self.close()
 
     def close(self) -> None:
-        self._metrics.close()
-        status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "KILLED"
-        if not self.plan.supervised:
-            self._client.set_terminated(self.run_id, status=status)
-        log.info(
-            "segment done: %s (exit %d, pid %d)",
-            exitcodes.DESCRIPTIONS.get(self.exit_code),
-            self.exit_code,
-            os.getpid(),
-        )
-        self._closed_at = time.time()
+        if self._notices is not None:
+            self._notices.stop()
+        try:
+            self.manager.close()
+        finally:
+            self._metrics.close()
+            if not self.plan.supervised:
+                status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
+                self._client.set_terminated(self.run_id, status=status)
+        log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)
+
+
+def _batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    return int(first.shape[0]) if hasattr(first, "shape") and first.dim() > 0 else 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mtbf(history: Any) -> float:
+    """Mean time between failures seen in this lineage; one hour until two failures were seen."""
+    times = sorted(e.time for e in history)
+    if len(times) < 2:
+        return 3600.0
+    return max(1.0, (times[-1] - times[0]) / (len(times) - 1))

@@ -1,0 +1,52 @@
+"""`rollback-supervisor bench checkpoint`: our store against torch.save/torch.load, one process, medians."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import typer
+
+from supervisor.errors import UserError
+
+app = typer.Typer(add_completion=False)
+
+
+class BenchError(UserError):
+    """Bad benchmark arguments."""
+
+
+def parse_params(text: str) -> int:
+    """'100M', '10m', '1.5G', '250000' -> a parameter count."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+    t = text.strip().upper()
+    try:
+        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise BenchError(f"--params: expected a count like 10M or 100M, got {text!r}") from None
+    if value < 1e4:
+        raise BenchError(f"--params: expected at least 10K parameters, got {text!r}")
+    return int(value)
+
+
+@app.callback(invoke_without_command=True)
+def main(
+    params: str = typer.Option("100M", "--params", help="Model size: 10M, 100M, ..."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the results here as JSON."),
+    reps: int = typer.Option(
+        5, "--reps", min=1, help="Repetitions per measurement (the median is reported)."
+    ),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Scratch directory on the disk to measure."),
+) -> None:
+    """Measure save, restore and dedup against torch.save/torch.load; print and optionally write JSON."""
+    count = parse_params(params)
+    from supervisor.checkpoint.benchmark import run  # torch loads only when the benchmark runs
+
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-") as tmp:
+        result = run(count, reps, Path(tmp))
+    text = json.dumps(result, indent=2)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text + "\n")
+    typer.echo(text)

@@ -1,0 +1,148 @@
+"""Checkpoint benchmark measurements: our store against torch.save/torch.load, in one process, medians."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from supervisor.checkpoint.manager import CheckpointManager
+from supervisor.checkpoint.options import CheckpointOptions
+from supervisor.state import TrainingState
+
+TARGETS = {
+    "blocking_save_s/torch_save_s": 0.10,
+    "restore_memory_s/memcpy_s": 2.0,
+    "restore_disk_s/torch_load_s": 0.5,
+    "restore_disk_s/torch_load_mmap_s": 1.5,
+    "dedup_bytes_ratio": 0.15,
+}
+
+
+def build(params: int, frozen: float = 0.0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A stack of square Linear layers with about `params` parameters and populated AdamW state."""
+    width = 2048 if params >= 50_000_000 else 1024 if params >= 5_000_000 else 256
+    layers = max(1, round(params / (width * width + width)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    n_frozen = int(layers * frozen)
+    for layer in list(model)[:n_frozen]:
+        layer.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def perturb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Change every trainable tensor, as a training step would, so each save has new bytes."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(1e-3)
+                for t in opt.state[p].values():
+                    t.add_(1)
+
+
+def run(params: int, reps: int, workdir: Path) -> dict[str, Any]:
+    """Every measurement of the issue's table, medians of `reps` rounds, with the target ratios."""
+    load_before = os.getloadavg()[0]
+    out = measure(params, reps, workdir)
+    out["dedup_bytes_ratio"] = dedup_ratio(params, workdir / "dedup", optimizer_state_for_frozen=True)
+    out["dedup_bytes_ratio_frozen_without_optimizer_state"] = dedup_ratio(
+        params, workdir / "dedup2", optimizer_state_for_frozen=False
+    )
+    ratios = {
+        "blocking_save_s/torch_save_s": out["blocking_save_s"] / out["torch_save_s"],
+        "restore_memory_s/memcpy_s": out["restore_memory_s"] / out["memcpy_s"],
+        "restore_disk_s/torch_load_s": out["restore_disk_s"] / out["torch_load_s"],
+        "restore_disk_s/torch_load_mmap_s": out["restore_disk_s"] / out["torch_load_mmap_s"],
+        "dedup_bytes_ratio": out["dedup_bytes_ratio"],
+    }
+    out["targets"] = {
+        k: {"value": v, "target": TARGETS[k], "met": v <= TARGETS[k]} for k, v in ratios.items()
+    }
+    out.update(reps=reps, torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count())
+    out["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
+    return out
+
+
+def measure(params: int, reps: int, workdir: Path) -> dict[str, Any]:
+    """Timings of the store and its baselines on one model; each round measures every key once, so load
+    from other work on the host, which comes and goes, weighs on the baselines and the store alike."""
+    model, opt = build(params)
+    state = TrainingState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    state_bytes = sum(t.numel() * t.element_size() for t in state.live_tensors().values())
+    out: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()), "state_bytes": state_bytes}
+    times: dict[str, list[float]] = defaultdict(list)
+    pt = workdir / "state.pt"
+    src = torch.ones(state_bytes, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+
+    def timed(key: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - t0)
+
+    def torch_save() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, pt)
+
+    def torch_load(mmap: bool) -> None:
+        sd = torch.load(pt, weights_only=True, mmap=mmap)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        if mmap:  # the optimizer state is still an unread view of the file: read it
+            for s in opt.state.values():
+                for t in s.values():
+                    t.sum()
+
+    options = CheckpointOptions(workdir / "store", keep_last=2, memory_slots=1, max_in_flight=1, dedup=False)
+    with CheckpointManager(options, state) as mgr:
+        mgr.save(0)  # allocates the reused snapshot buffers, as the first save of a run does
+        mgr.wait()
+        for step in range(1, reps + 1):
+            perturb(model, opt)
+            pt.unlink(missing_ok=True)
+            timed("torch_save_s", torch_save)
+            timed("torch_load_s", lambda: torch_load(False))
+            timed("memcpy_s", lambda: dst.copy_(src))
+            timed("blocking_save_s", lambda: mgr.save(step))  # noqa: B023 - called at once
+            timed("write_s", mgr.wait)
+            timed("restore_memory_s", mgr.restore_memory)
+            timed("restore_disk_s", lambda: mgr.restore(tier="local"))
+            timed("torch_load_mmap_s", lambda: torch_load(True))
+            torch_load(False)  # untimed: the live optimizer state leaves the mapped file before it goes
+    pt.unlink()
+    out.update({key: statistics.median(values) for key, values in times.items()})
+    return out
+
+
+def dedup_ratio(params: int, directory: Path, *, optimizer_state_for_frozen: bool) -> float:
+    """Bytes the second save writes when 90% of parameters are frozen, over the first (full) save's bytes.
+
+    With `optimizer_state_for_frozen`, the frozen layers were trained before being frozen, so AdamW holds
+    (unchanging) state for them too, as in progressive freezing or fine-tuning a trained model.
+    """
+    model, opt = build(params, frozen=0.0 if optimizer_state_for_frozen else 0.9)
+    if optimizer_state_for_frozen:
+        layers = list(model)
+        for layer in layers[: int(len(layers) * 0.9)]:
+            layer.requires_grad_(False)
+    state = TrainingState()
+    state.register("model", model)
+    state.register("optimizer", opt)
+    with CheckpointManager(CheckpointOptions(directory, memory_slots=0, async_save=False), state) as mgr:
+        first = mgr.save(1)
+        perturb(model, opt)
+        second = mgr.save(2)
+        full, again = mgr.get(first.id).written_bytes, mgr.get(second.id).written_bytes
+    return again / full

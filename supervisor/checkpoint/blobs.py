@@ -1,0 +1,161 @@
+"""Safetensors files written and read by hand so hashing streams with the write and restores copy once.
+
+The `safetensors` package is used only to check interoperability in tests: its writer cannot hash while it
+writes, and its reader allocates a new tensor per entry where we copy straight into live buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+
+#: Safetensors dtype names (the format's spec), by torch dtype.
+DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+_CHUNK = 1 << 20  # read and hash a chunk while it is still in cache
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def digest_start(dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
+    """An xxh3-128 state primed with a tensor's dtype and shape; feed it the bytes."""
+    return xxhash.xxh3_128(f"{dtype}{tuple(shape)}".encode())
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Content hash of a CPU tensor: dtype, shape and bytes (xxh3-128)."""
+    h = digest_start(tensor.dtype, tuple(tensor.shape))
+    h.update(tensor_bytes(tensor))
+    return h.hexdigest()
+
+
+def write_blob(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Write `tensors` (contiguous CPU) as a safetensors file, fsync it; returns (size, xxh3-64)."""
+    # Largest elements first keeps every tensor aligned to its element size, as the reference writer does.
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    h = xxhash.xxh3_64()
+    with open(path, "wb") as f:
+        for piece in (struct.pack("<Q", len(raw)), raw):
+            h.update(piece)
+            f.write(piece)
+        for name in order:
+            data = tensor_bytes(tensors[name])
+            h.update(data)
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset, h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    """Where one tensor lies in a blob file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def parse_header(head: bytes, file_size: int) -> tuple[int, dict[str, BlobEntry]]:
+    """Parse a safetensors header; returns (data start, entries). Raises ValueError with the reason."""
+    if len(head) < 8:
+        raise ValueError(f"file is {len(head)} bytes, shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head[:8])
+    if 8 + n > file_size or 8 + n > len(head):
+        raise ValueError(f"header length {n} runs past the end of the file ({file_size} bytes)")
+    try:
+        raw = json.loads(head[8 : 8 + n])
+    except ValueError as exc:
+        raise ValueError(f"header is not valid JSON ({exc})") from None
+    entries = {}
+    for name, e in raw.items():
+        if name == "__metadata__":
+            continue
+        start, end = e["data_offsets"]
+        if e["dtype"] not in DTYPES or not 0 <= start <= end or 8 + n + end > file_size:
+            raise ValueError(f"tensor {name!r}: bad dtype or offsets {e}")
+        entries[name] = BlobEntry(DTYPES[e["dtype"]], tuple(e["shape"]), start, end)
+    return 8 + n, entries
+
+
+class BlobReader:
+    """An open blob file: its header, and reads of single tensors straight into caller-owned memory."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        try:
+            self.size = os.fstat(self._f.fileno()).st_size
+            self.head = _read_head(self._f, self.size)
+            self.base, self.entries = parse_header(self.head, self.size)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def read_into(self, entry: BlobEntry, dst: torch.Tensor, digest: Any = None) -> None:
+        """Fill contiguous CPU tensor `dst` (same byte size as `entry`) from the file, feeding `digest`
+        each chunk while it is still in cache."""
+        view = tensor_bytes(dst)
+        done, offset = 0, self.base + entry.start
+        while done < len(view):
+            n = os.preadv(self._f.fileno(), [view[done : done + _CHUNK]], offset + done)
+            if n <= 0:
+                raise ValueError(f"file ends inside tensor data at byte {offset + done}")
+            if digest is not None:
+                digest.update(view[done : done + n])
+            done += n
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _read_head(f: BinaryIO, size: int) -> bytes:
+    head = f.read(8)
+    if len(head) == 8:
+        head += f.read(min(struct.unpack("<Q", head)[0], size))
+    return head

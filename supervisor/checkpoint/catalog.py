@@ -1,0 +1,266 @@
+"""Read-only view of a store (local directory or fsspec URL): list, verify, latest, best, and gc."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import xxhash
+
+from supervisor.checkpoint.manifest import (
+    ABANDONED,
+    BLOBS,
+    CKPT_PREFIX,
+    MANIFEST,
+    MARKER,
+    Manifest,
+    check_marker,
+    marker_pin,
+)
+from supervisor.checkpoint.options import VERIFY_MODES, CheckpointInfo, parse_id
+from supervisor.checkpoint.retention import Policy, RetentionResult, apply_retention
+from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
+_CHUNK = 1 << 24
+
+
+class Catalog:
+    """The committed checkpoints of one store, read without a live training state.
+
+    Reads are safe while a writer saves to the same store; `gc` is not (it refuses a locked local store).
+    """
+
+    def __init__(self, fs: Any, root: str, *, tier: str = "local", url: str | None = None):
+        self.fs, self.root, self.tier = fs, root.rstrip("/") or "/", tier
+        self.url = url or root
+        self.writer_lock: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+
+    def path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel)
+
+    def location(self, rel: str) -> str:
+        """User-facing location of `rel` (a local path or a URL)."""
+        return self.path(rel) if self.tier == "local" else posixpath.join(self.url.rstrip("/"), rel)
+
+    def ids(self) -> list[str]:
+        """Ids of every checkpoint directory (committed or not), oldest commit first."""
+        self.fs.invalidate_cache(self.root)  # object stores cache listings; another process may have written
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            name = posixpath.basename(str(entry).rstrip("/"))
+            if name.startswith(CKPT_PREFIX):
+                try:
+                    parse_id(name[len(CKPT_PREFIX) :])
+                except ValueError:
+                    continue
+                found.append(name[len(CKPT_PREFIX) :])
+        return sorted(found, key=lambda i: parse_id(i)[1])
+
+    def _read(self, rel: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self.path(rel))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def _names(self, checkpoint_id: str) -> set[str]:
+        try:
+            return {
+                posixpath.basename(str(p))
+                for p in self.fs.ls(self.path(CKPT_PREFIX + checkpoint_id), detail=False)
+            }
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+
+    def committed(self, checkpoint_id: str) -> bool:
+        """True when the checkpoint's commit marker is whole (the commit finished)."""
+        return marker_pin(self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}")) is not None
+
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        """The parsed manifest of a committed checkpoint; CheckpointCorrupt if it is unreadable or edited."""
+        raw = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MANIFEST}")
+        marker = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}")
+        if marker is None:
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.url} (no commit marker)")
+        reason = check_marker(marker, raw)
+        if reason:
+            raise CheckpointCorrupt(checkpoint_id, reason)
+        try:
+            manifest = Manifest.from_bytes(raw)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise CheckpointCorrupt(checkpoint_id, str(exc)) from None
+        if manifest.id != checkpoint_id:
+            raise CheckpointCorrupt(checkpoint_id, f"{MANIFEST} names checkpoint {manifest.id!r}")
+        return manifest
+
+    def info(self, checkpoint_id: str) -> CheckpointInfo | None:
+        """Info of a committed checkpoint (from its id alone when its manifest is bad); None if uncommitted."""
+        if not self.committed(checkpoint_id):
+            return None
+        abandoned = ABANDONED in self._names(checkpoint_id)
+        where = self.location(CKPT_PREFIX + checkpoint_id)
+        try:
+            m = self.manifest(checkpoint_id)
+        except CheckpointCorrupt:
+            step, seq = parse_id(checkpoint_id)
+            return CheckpointInfo(checkpoint_id, step, 0.0, {}, None, where, seq, (self.tier,), abandoned)
+        return info_from_manifest(m, where, (self.tier,), abandoned)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint, oldest commit first (abandoned ones included and flagged)."""
+        return [i for cid in self.ids() if (i := self.info(cid)) is not None]
+
+    def get(self, checkpoint_id: str) -> CheckpointInfo:
+        found = self.info(checkpoint_id)
+        if found is None:
+            raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.url}")
+        return found
+
+    def verify(self, checkpoint_id: str, mode: str = "full") -> str | None:
+        """None when the checkpoint is valid, else the reason (commit marker, manifest, sizes, checksums)."""
+        if mode not in VERIFY_MODES:
+            raise CheckpointError(f"verify mode: expected one of {', '.join(VERIFY_MODES)}, got {mode!r}")
+        try:
+            manifest = self.manifest(checkpoint_id)
+        except CheckpointCorrupt as exc:
+            return exc.reason
+        except CheckpointNotFound:
+            return f"not committed: {MARKER} marker missing"
+        if mode == "none":
+            return None
+        listed = {f.path for f in manifest.files}
+        for blob in sorted(manifest.blobs() - listed):
+            return f"{MANIFEST} references {blob} without a checksum"
+        for entry in manifest.files:
+            reason = self._check_file(entry.path, entry.size, entry.xxh3 if mode == "full" else None)
+            if reason:
+                return reason
+        return None
+
+    def _check_file(self, rel: str, size: int, digest: str | None) -> str | None:
+        try:
+            found = self.fs.size(self.path(rel))
+        except FileNotFoundError:
+            return f"{rel} is missing"
+        if found != size:
+            return (
+                f"{rel} is truncated: expected {size} bytes, found {found}"
+                if found < size
+                else (f"{rel} has the wrong size: expected {size} bytes, found {found}")
+            )
+        if digest is None:
+            return None
+        h = xxhash.xxh3_64()
+        with self.fs.open(self.path(rel), "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        if h.hexdigest() != digest:
+            return f"{rel} checksum mismatch: expected xxh3 {digest}, found {h.hexdigest()}"
+        return None
+
+    def latest(self, mode: str = "fast") -> CheckpointInfo | None:
+        """The newest commit that is not abandoned and passes `mode` verification (reasons are logged)."""
+        for info in reversed(self.list()):
+            if info.abandoned:
+                continue
+            reason = self.verify(info.id, mode)
+            if reason is None:
+                return info
+            log.warning("Skipping checkpoint %s (%s)", info.id, reason)
+        return None
+
+    def best(self, metric: str, mode: str = "min") -> CheckpointInfo | None:
+        """The live checkpoint with the lowest (mode="min") or highest `metric`; ties go to the newest."""
+        return best_of(self.list(), metric, mode)
+
+    def referenced_blobs(self, infos: list[CheckpointInfo] | None = None) -> set[str]:
+        """Blob files referenced by committed checkpoints (all of them when `infos` is None)."""
+        refs: set[str] = set()
+        for info in self.list() if infos is None else infos:
+            try:
+                refs |= self.manifest(info.id).blobs()
+            except CheckpointError:
+                continue
+        return refs
+
+    def blob_files(self) -> list[str]:
+        try:
+            return sorted(
+                f"{BLOBS}/{posixpath.basename(str(p))}" for p in self.fs.ls(self.path(BLOBS), detail=False)
+            )
+        except FileNotFoundError:
+            return []
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove a checkpoint; its marker goes first so a half-finished delete never looks committed."""
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}"))
+        self.fs.rm(self.path(CKPT_PREFIX + checkpoint_id), recursive=True)
+
+    def gc(self, policy: Policy | None) -> RetentionResult:
+        """Delete what `policy` does not keep, then blobs no remaining checkpoint references."""
+        with self.writer_lock() if self.writer_lock else contextlib.nullcontext():
+            result = apply_retention(policy, self.list())
+            for info, reason in result.delete:
+                log.info("Deleting checkpoint %s from %s (%s)", info.id, self.url, reason)
+                self.delete(info.id)
+            self.gc_blobs()
+        return result
+
+    def gc_blobs(self) -> list[str]:
+        """Delete blob files no committed checkpoint references; returns what was deleted."""
+        keep = self.referenced_blobs()
+        gone = [b for b in self.blob_files() if b not in keep]
+        for blob in gone:
+            log.info("Deleting blob %s from %s (no checkpoint references it)", blob, self.url)
+            self.fs.rm(self.path(blob))
+        return gone
+
+
+def info_from_manifest(m: Manifest, where: str, tiers: tuple[str, ...], abandoned: bool) -> CheckpointInfo:
+    return CheckpointInfo(
+        m.id,
+        m.step,
+        m.wall_time,
+        dict(m.metrics),
+        m.parent_id,
+        where,
+        m.seq,
+        tiers,
+        abandoned,
+        m.nbytes,
+        m.written_bytes,
+    )
+
+
+def best_of(infos: list[CheckpointInfo], metric: str, mode: str = "min") -> CheckpointInfo | None:
+    """Best live checkpoint by `metric`; None when none has it."""
+    if mode not in ("min", "max"):
+        raise CheckpointError(f"best(): mode: expected 'min' or 'max', got {mode!r}")
+    sign = 1.0 if mode == "min" else -1.0
+    scored = [
+        i for i in infos if not i.abandoned and metric in i.metrics and i.metrics[metric] == i.metrics[metric]
+    ]
+    return min(scored, key=lambda i: (sign * i.metrics[metric], -i.seq)) if scored else None
+
+
+def open_store(directory_or_url: str | os.PathLike[str]) -> Catalog:
+    """A read-only Catalog of a local directory or an fsspec URL (file://, s3://, ...)."""
+    target = os.fspath(directory_or_url)
+    if "://" in target:
+        fs, root = fsspec.core.url_to_fs(target)
+        return Catalog(fs, root, tier="remote", url=target)
+    from supervisor.checkpoint.local import lock_probe
+
+    catalog = Catalog(fsspec.filesystem("file"), os.path.abspath(target), tier="local")
+    catalog.writer_lock = lock_probe(os.path.abspath(target))
+    return catalog

@@ -1,0 +1,156 @@
+"""Writer side of a local store: one writer at a time, atomic directory commits, cleanup after crashes.
+
+A commit: files are written and fsynced in `.tmp/<id>/`, the directory is fsynced, a new blob is renamed into
+`blobs/`, the directory is renamed to `ckpt-<id>/`, and the COMMITTED marker is written last. A checkpoint
+without a whole marker never counts; open() deletes it, leftover temp dirs and blobs nothing references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import fsspec
+
+from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.manifest import ABANDONED, BLOBS, CKPT_PREFIX, MANIFEST, MARKER, marker_bytes
+from supervisor.errors import CheckpointError
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
+TMP = ".tmp"
+LOCK = ".lock"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, data: bytes, *, exclusive: bool = False) -> None:
+    """Write and fsync `data` to `path`."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _take_lock(root: str) -> int:
+    fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise CheckpointError(
+                f"{root}: another writer (pid {holder}) holds the store lock {LOCK}; "
+                "close its CheckpointManager first"
+            ) from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def lock_probe(root: str):
+    """A context manager factory holding the writer lock of `root` (CheckpointError while a writer has it)."""
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        if not os.path.isdir(root):
+            yield
+            return
+        fd = _take_lock(root)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    return hold
+
+
+class LocalStore:
+    """The one writer of a local store directory (an exclusive lock guards it until close())."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.root = os.path.abspath(os.fspath(directory))
+        for sub in ("", BLOBS, TMP):
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+        self._lock_fd: int | None = _take_lock(self.root)
+        self.catalog = Catalog(fsspec.filesystem("file"), self.root, tier="local")
+        self.cleanup()
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def cleanup(self) -> list[str]:
+        """Remove temp dirs, uncommitted checkpoint dirs and unreferenced blobs; returns what went."""
+        removed = []
+        for name in sorted(os.listdir(self.path(TMP))):
+            shutil.rmtree(self.path(TMP, name), ignore_errors=True)
+            removed.append(f"{TMP}/{name}")
+        for cid in self.catalog.ids():
+            if not self.catalog.committed(cid):
+                shutil.rmtree(self.path(CKPT_PREFIX + cid), ignore_errors=True)
+                removed.append(CKPT_PREFIX + cid)
+        removed += self.catalog.gc_blobs()
+        for what in removed:
+            log.info("Removed %s from %s (left by an unfinished save)", what, self.root)
+        return removed
+
+    def stage(self, checkpoint_id: str) -> str:
+        """A fresh temp directory to write checkpoint `checkpoint_id` into."""
+        staged = self.path(TMP, f"{checkpoint_id}.{uuid.uuid4().hex[:8]}")
+        os.makedirs(staged)
+        return staged
+
+    def commit(self, checkpoint_id: str, staged: str, manifest_raw: bytes, blob: str | None) -> str:
+        """Make `staged` checkpoint `checkpoint_id`, atomically; `blob` is its new blob file name, if any."""
+        write_file(os.path.join(staged, MANIFEST), manifest_raw)
+        fsync_dir(staged)
+        if blob is not None:
+            os.rename(os.path.join(staged, os.path.basename(blob)), self.path(blob))
+            fsync_dir(self.path(BLOBS))
+        final = self.path(CKPT_PREFIX + checkpoint_id)
+        if os.path.exists(final):
+            raise CheckpointError(f"{final} already exists; checkpoint ids must be unique")
+        os.rename(staged, final)
+        fsync_dir(self.root)
+        write_file(os.path.join(final, MARKER), marker_bytes(manifest_raw, checkpoint_id), exclusive=True)
+        fsync_dir(final)
+        return final
+
+    def mark_abandoned(self, checkpoint_id: str, reason: str) -> None:
+        """Persistently exclude a checkpoint from latest()/best() (a rollback went past it)."""
+        target = self.path(CKPT_PREFIX + checkpoint_id, ABANDONED)
+        write_file(target, reason.encode())
+        fsync_dir(os.path.dirname(target))
+
+    def delete(self, checkpoint_id: str) -> None:
+        """Remove a checkpoint: it vanishes at once (rename into .tmp), then its files go."""
+        src = self.path(CKPT_PREFIX + checkpoint_id)
+        dst = self.path(TMP, f"deleted-{checkpoint_id}.{uuid.uuid4().hex[:8]}")
+        os.rename(src, dst)
+        fsync_dir(self.root)
+        shutil.rmtree(dst, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None

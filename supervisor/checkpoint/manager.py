@@ -1,0 +1,374 @@
+"""CheckpointManager: save and restore a TrainingState through memory, local and remote tiers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from supervisor.checkpoint.dedup import DedupIndex
+from supervisor.checkpoint.flatten import flatten
+from supervisor.checkpoint.local import LocalStore
+from supervisor.checkpoint.manifest import CKPT_PREFIX, Manifest, config_hash, git_commit, library_versions
+from supervisor.checkpoint.memory import Snapshot, SnapshotRing
+from supervisor.checkpoint.options import TIERS, CheckpointInfo, CheckpointOptions, make_id, parse_id
+from supervisor.checkpoint.remote import RemoteTier
+from supervisor.checkpoint.restore import restore_snapshot
+from supervisor.checkpoint.retention import apply_retention, policy_from_settings
+from supervisor.checkpoint.tiers import Tiers
+from supervisor.checkpoint.writer import CheckpointMeta, host_tensors, write_checkpoint
+from supervisor.errors import BackgroundSaveError, CheckpointCorrupt, CheckpointError, CheckpointNotFound
+
+if TYPE_CHECKING:
+    from supervisor.state import TrainingState
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
+Which = str | CheckpointInfo
+
+
+class CheckpointManager:
+    """Saves and restores one TrainingState; orbax-style verbs, three tiers, retention after each commit.
+
+    Concurrency contract:
+    - Call it from one thread (the training loop); it is not thread-safe.
+    - With async_save, save() blocks only while the state is copied into reused host buffers; writing,
+      checksums, commit, retention and the remote upload run on background threads, in save order.
+    - When `max_in_flight` saves are pending, save() blocks until the oldest finishes.
+    - The snapshot aliases no live tensor: training may change the state as soon as save() returns.
+    - A background failure is raised as BackgroundSaveError by the next save/restore/wait/close call.
+    - restore(), restore_memory() and abandon_after() first wait for pending saves.
+    - One manager per directory (an exclusive lock); other processes read with open_store().
+    """
+
+    def __init__(
+        self, options: CheckpointOptions, state: TrainingState, *, clock: Callable[[], float] = time.time
+    ):
+        self.options, self.state, self._clock = options, state, clock
+        self._store = LocalStore(options.directory)
+        self._catalog = self._store.catalog
+        self._closed = False
+        try:
+            self._remote = RemoteTier(options.remote) if options.remote else None
+        except BaseException:
+            self._store.close()
+            raise
+        slots = max(options.memory_slots, options.max_in_flight if options.async_save else 0)
+        self._ring = SnapshotRing(slots)
+        self._tiers = Tiers(self._store, self._remote, self._ring)
+        self._writer = ThreadPoolExecutor(1, "ckpt-writer") if options.async_save else None
+        self._uploader = ThreadPoolExecutor(1, "ckpt-upload") if self._remote else None
+        self._pending: deque[Future[Any]] = deque()
+        self._slots = threading.BoundedSemaphore(options.max_in_flight)
+        self._lock = threading.Lock()
+        self._errors: list[tuple[str, BaseException]] = []
+        self._protected: set[str] = set()
+        self._uploading: set[str] = set()
+        self._manifests: dict[str, Manifest] = {}
+        self._index = DedupIndex() if options.dedup else None
+        self._reindex()
+        seqs = [parse_id(i)[1] for i in self._catalog.ids()]
+        seqs += [parse_id(i)[1] for i in self._remote.catalog.ids()] if self._remote else []
+        self._next_seq = max(seqs, default=0) + 1
+        self._parent: str | None = None
+        self._last: CheckpointInfo | None = None
+        self._provenance = (library_versions(), git_commit(), config_hash(options.config))
+
+    # ---- saving -------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
+        extras: dict[str, Any] | None = None,
+    ) -> CheckpointInfo:
+        """Snapshot the state as checkpoint `step` and write it (in the background with async_save).
+
+        A step this branch already saved is not saved again (its info is returned) unless `force`. With
+        async_save the returned info describes the pending commit; get(id) after wait() has the final one.
+        """
+        self._check()
+        if not force and self._last is not None and self._last.step == step:
+            log.info("Checkpoint for step %d already taken (%s); not saving again", step, self._last.id)
+            return self._last
+        started = time.monotonic()
+        self.state.step = step
+        nested = self.state.state_dict()
+        if extras:
+            nested["extras"] = {**nested["extras"], **extras}
+        skeleton, live = flatten(nested)
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        cid, seq = make_id(step, self._next_seq), self._next_seq
+        self._next_seq += 1
+        meta = CheckpointMeta(cid, seq, step, self._clock(), metrics, self._parent, *self._provenance)
+        path = self._store.path(CKPT_PREFIX + cid)
+        info = CheckpointInfo(cid, step, meta.wall_time, metrics, self._parent, path, seq, ("memory",))
+        if self._writer is not None:
+            self._slots.acquire()
+            try:
+                snap = self._ring.capture(cid, skeleton, live, {"info": info})
+            except BaseException:
+                self._slots.release()
+                raise
+            self._pending.append(self._writer.submit(self._write, meta, snap.skeleton, snap.tensors, snap))
+        else:
+            snap = self._ring.capture(cid, skeleton, live, {"info": info}) if len(self._ring) else None
+            if snap is not None:
+                self._write(meta, snap.skeleton, snap.tensors, snap)
+            else:
+                self._write(meta, skeleton, host_tensors(live))
+        tiers = (("memory",) if snap else ()) + (("local",) if self._writer is None else ())
+        nbytes = snap.nbytes if snap else sum(t.numel() * t.element_size() for t in live.values())
+        info = replace(info, tiers=tiers, nbytes=nbytes)
+        self._parent, self._last = cid, info
+        log.info("Saved checkpoint %s: training blocked %.3fs", cid, time.monotonic() - started)
+        return info
+
+    def _write(
+        self, meta: CheckpointMeta, skeleton: Any, tensors: dict[str, Any], snap: Snapshot | None = None
+    ) -> None:
+        started = time.monotonic()
+        try:
+            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index)
+            self._manifests[meta.id] = manifest
+            if self._index is not None:
+                self._index.add(manifest)
+            log.info(
+                "Committed checkpoint %s (step %d, %.1f MB written of %.1f MB) in %.3fs",
+                meta.id,
+                meta.step,
+                manifest.written_bytes / 1e6,
+                manifest.nbytes / 1e6,
+                time.monotonic() - started,
+            )
+            if self._uploader is not None:
+                with self._lock:
+                    self._uploading.add(meta.id)
+                self._pending.append(self._uploader.submit(self._upload, manifest))
+            self._retain()
+        except BaseException as exc:
+            if self._writer is None:
+                raise
+            with self._lock:
+                self._errors.append((meta.id, exc))
+        finally:
+            if snap is not None:
+                self._ring.release(snap)
+                if not self.options.memory_slots:
+                    self._ring.drop(meta.id)
+            if self._writer is not None:
+                self._slots.release()
+
+    def _policy(self) -> Any:
+        with self._lock:
+            keep = set(self._protected) | self._uploading
+        o = self.options
+        return policy_from_settings(o.keep_last, o.keep_best, o.keep_every_steps, protected=keep)
+
+    def _retain(self) -> None:
+        result = apply_retention(self._policy(), self._catalog.list())
+        for info, reason in result.delete:
+            log.info("Deleting checkpoint %s (%s)", info.id, reason)
+            self._store.delete(info.id)
+            self._manifests.pop(info.id, None)
+        if result.delete:
+            self._catalog.gc_blobs()
+            self._reindex()
+
+    def _reindex(self) -> None:
+        kept: dict[str, Manifest] = {}
+        for info in self._catalog.list():
+            try:
+                kept[info.id] = self._manifests.get(info.id) or self._catalog.manifest(info.id)
+            except CheckpointError:
+                continue
+        self._manifests = kept
+        if self._index is not None:
+            self._index.rebuild(kept.values())
+
+    def _upload(self, manifest: Manifest) -> None:
+        try:
+            assert self._remote is not None
+            self._remote.upload(self._store, manifest)
+            log.info("Uploaded checkpoint %s to %s", manifest.id, self._remote.url)
+            self._remote.apply_retention(self._policy())
+        except BaseException as exc:
+            with self._lock:
+                self._errors.append((manifest.id, exc))
+        finally:
+            with self._lock:
+                self._uploading.discard(manifest.id)
+
+    # ---- waiting and errors --------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager for {self._store.root} is closed")
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        self._raise_background()
+
+    def _raise_background(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            (cid, exc), *rest = self._errors
+            self._errors = rest
+        raise BackgroundSaveError(
+            f"background save of checkpoint {cid} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+    def wait(self) -> None:
+        """Block until every pending save and upload is done; raise the first background failure."""
+        while self._pending:
+            self._pending.popleft().exception()
+        self._raise_background()
+
+    def close(self) -> None:
+        """Finish pending work, release the store; raises a background failure after releasing."""
+        if self._closed:
+            return
+        try:
+            while self._pending:
+                self._pending.popleft().exception()
+        finally:
+            for pool in (self._writer, self._uploader):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._store.close()
+            self._closed = True
+        self._raise_background()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except BackgroundSaveError as err:
+            log.error("%s (while handling %s)", err, exc_type.__name__)
+
+    # ---- reading -------------------------------------------------------------------------------------
+    def list(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint across tiers, oldest commit first (abandoned ones flagged)."""
+        self._check()
+        return self._tiers.list()
+
+    def get(self, checkpoint_id: str) -> CheckpointInfo:
+        """Info of one committed checkpoint; CheckpointNotFound if no tier holds it."""
+        self._check()
+        return self._tiers.get(checkpoint_id)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest commit (by seq) that is not abandoned and passes a fast check in some tier."""
+        self._check()
+        return self._tiers.latest()
+
+    def best(self, metric: str, mode: str = "min") -> CheckpointInfo | None:
+        """The live checkpoint with the best `metric` that passes a fast check; ties go to the newest."""
+        self._check()
+        return self._tiers.best(metric, mode)
+
+    def _resolve(self, which: Which) -> CheckpointInfo:
+        return self._tiers.get(which.id if isinstance(which, CheckpointInfo) else which)
+
+    # ---- restoring -----------------------------------------------------------------------------------
+    def restore(
+        self, which: Which = "latest", *, prefixes: Iterable[str] | None = None, tier: str | None = None
+    ) -> CheckpointInfo:
+        """Restore into the registered objects from the fastest tier with a valid copy.
+
+        "latest" falls back to older commits, logging why each newer one was skipped; a specific id or
+        info raises CheckpointCorrupt or CheckpointNotFound instead.
+        """
+        self.wait()
+        if tier is not None and tier not in TIERS:
+            raise CheckpointError(f"restore(): tier: expected one of {', '.join(TIERS)}, got {tier!r}")
+        prefixes = None if prefixes is None else list(prefixes)
+        if which != "latest":
+            return self._restore(self._resolve(which), prefixes, tier)
+        reasons = []
+        for info in reversed(self._tiers.list()):
+            if info.abandoned:
+                continue
+            try:
+                return self._restore(info, prefixes, tier)
+            except (CheckpointCorrupt, CheckpointNotFound) as exc:
+                log.warning("Not restoring checkpoint %s (%s); trying the previous one", info.id, exc)
+                reasons.append(f"{info.id}: {exc}")
+        detail = "; ".join(reasons) if reasons else "the store is empty"
+        raise CheckpointNotFound(f"no valid checkpoint in {self._tiers.where()} ({detail})")
+
+    def _restore(self, info: CheckpointInfo, prefixes: list[str] | None, tier: str | None) -> CheckpointInfo:
+        started = time.monotonic()
+        used = self._tiers.restore(info, self.state, prefixes, tier, self.options.verify, self._reindex)
+        log.info(
+            "Restored checkpoint %s from the %s tier in %.3fs", info.id, used, time.monotonic() - started
+        )
+        self._parent, self._last = info.id, info
+        return info
+
+    def restore_memory(
+        self, which: Which = "latest", *, prefixes: Iterable[str] | None = None
+    ) -> CheckpointInfo:
+        """Restore from the host-memory ring only (fast in-process rollback); CheckpointNotFound if absent."""
+        self.wait()
+        snaps = self._ring.snapshots()
+        abandoned = {i.id for i in self._catalog.list() if i.abandoned}
+        if which == "latest":
+            live = [s for s in snaps if s.id not in abandoned]
+            if not live:
+                raise CheckpointNotFound("restore_memory(): the memory ring holds no snapshot")
+            snap = live[-1]
+        else:
+            cid = which.id if isinstance(which, CheckpointInfo) else which
+            snap = next((s for s in snaps if s.id == cid), None)
+            if snap is None:
+                held = ", ".join(s.id for s in snaps) or "nothing"
+                raise CheckpointNotFound(
+                    f"restore_memory(): checkpoint {cid} is not in the memory ring (it holds {held})"
+                )
+        started = time.monotonic()
+        restore_snapshot(snap, self.state, None if prefixes is None else list(prefixes))
+        log.info("Restored checkpoint %s from the memory tier in %.3fs", snap.id, time.monotonic() - started)
+        info = replace(snap.meta["info"], tiers=("memory",), nbytes=snap.nbytes)
+        self._parent, self._last = info.id, info
+        return info
+
+    # ---- protection and rollback bookkeeping ---------------------------------------------------------
+    def protect(self, ids: Iterable[str]) -> None:
+        """Never delete these checkpoints (targets of a pending rollback) until unprotect()."""
+        with self._lock:
+            self._protected |= set(ids)
+
+    def unprotect(self, ids: Iterable[str]) -> None:
+        with self._lock:
+            self._protected -= set(ids)
+
+    def abandon_after(self, which: Which) -> list[CheckpointInfo]:
+        """After rolling back to `which`, mark every later commit abandoned (persistently); returns them."""
+        self.wait()
+        target = self._resolve(which)
+        if target.abandoned:
+            raise CheckpointError(f"abandon_after(): checkpoint {target.id} is itself abandoned")
+        gone = [i for i in self._tiers.list() if i.seq > target.seq and not i.abandoned]
+        for info in gone:
+            reason = f"rolled back to {target.id}"
+            if "local" in info.tiers:
+                self._store.mark_abandoned(info.id, reason)
+            if "remote" in info.tiers and self._remote is not None:
+                self._remote.mark_abandoned(info.id, reason)
+            self._ring.drop(info.id)
+            log.info("Abandoned checkpoint %s (%s)", info.id, reason)
+        self._parent, self._last = target.id, target
+        return [replace(i, abandoned=True) for i in gone]
+
+
+__all__ = ["CheckpointManager"]

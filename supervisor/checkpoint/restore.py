@@ -1,0 +1,198 @@
+"""Restore a TrainingState from a memory snapshot or a local checkpoint, verifying while reading."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import xxhash
+
+from supervisor.checkpoint.blobs import DTYPE_NAMES, BlobEntry, BlobReader, digest_start
+from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.fastcopy import THREADS, copy_tensors
+from supervisor.checkpoint.flatten import matches, tensor_paths, unflatten
+from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE, Manifest, TensorRef
+from supervisor.checkpoint.memory import Snapshot
+from supervisor.errors import CheckpointCorrupt
+
+if TYPE_CHECKING:
+    from supervisor.state import TrainingState
+
+
+def _selected(skeleton: object, prefixes: Iterable[str] | None) -> list[tuple[str, str]]:
+    return [(n, p) for n, p in tensor_paths(skeleton) if prefixes is None or matches(p, prefixes)]
+
+
+def restore_snapshot(snap: Snapshot, state: TrainingState, prefixes: Iterable[str] | None) -> None:
+    """Restore from a host-memory snapshot; its buffers are copied, never handed over, so they stay reusable."""
+    live = state.live_tensors()
+    tensors: dict[str, torch.Tensor] = {}
+    pairs = []
+    for name, path in _selected(snap.skeleton, prefixes):
+        src = snap.tensors[name]
+        dst = live.get(name)
+        if dst is not None and dst.shape == src.shape and dst.dtype == src.dtype:
+            pairs.append((dst, src))
+            tensors[name] = dst
+        else:
+            tensors[name] = src if state.copies_on_load(path) else src.clone()
+    copy_tensors(pairs)
+    state.load_state_dict(unflatten(snap.skeleton, tensors), prefixes=prefixes)
+
+
+@dataclass
+class _Read:
+    """One stored tensor to read, the names that use it, and where its bytes go."""
+
+    reader: BlobReader
+    entry: BlobEntry
+    ref: TensorRef
+    names: list[str]
+    target: torch.Tensor | None = None
+    reason: str | None = None
+
+
+def restore_local(
+    catalog: Catalog, manifest: Manifest, state: TrainingState, prefixes: Iterable[str] | None, verify: str
+) -> None:
+    """Restore from a local checkpoint: each tensor is read once, straight into live memory where it fits.
+
+    Sizes, blob headers (against the manifest) and state.json are checked before anything live changes.
+    With verify="full" each tensor's xxh3-128 is computed chunk by chunk as it is read, on several threads;
+    a mismatch is known only after the copy, so it raises CheckpointCorrupt with the live state partly
+    overwritten and another checkpoint must be restored (restore("latest") does that by itself).
+    """
+    cid = manifest.id
+    if verify != "none" and (reason := catalog.verify(cid, "fast")):
+        raise CheckpointCorrupt(cid, reason)
+    state_rel = f"{CKPT_PREFIX}{cid}/{STATE}"
+    with open(catalog.path(state_rel), "rb") as f:
+        state_raw = f.read()
+    files = {e.path: e for e in manifest.files}
+    if (
+        verify == "full"
+        and state_rel in files
+        and xxhash.xxh3_64_hexdigest(state_raw) != files[state_rel].xxh3
+    ):
+        raise CheckpointCorrupt(cid, f"{state_rel} checksum mismatch: expected xxh3 {files[state_rel].xxh3}")
+    try:
+        skeleton = json.loads(state_raw)
+    except ValueError as exc:
+        raise CheckpointCorrupt(cid, f"{state_rel} is not valid JSON ({exc})") from None
+    readers: dict[str, BlobReader] = {}
+    try:
+        reads = _plan(cid, catalog, manifest, skeleton, prefixes, readers)
+        live = state.live_tensors()
+        for r in reads:
+            r.target = _target(r.entry, live.get(r.names[0]))
+        with ThreadPoolExecutor(THREADS, thread_name_prefix="ckpt-read") as pool:
+            list(pool.map(lambda share: [_read(r, verify == "full") for r in share], _shares(reads)))
+        tensors: dict[str, torch.Tensor] = {}
+        for r in reads:
+            tensors.update(_place(r, live))
+        bad = next((r.reason for r in reads if r.reason), None)
+        if bad:
+            raise CheckpointCorrupt(cid, f"{bad} (found while copying: the live state is partly overwritten)")
+        state.load_state_dict(unflatten(skeleton, tensors), prefixes=prefixes)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _plan(
+    cid: str,
+    catalog: Catalog,
+    manifest: Manifest,
+    skeleton: object,
+    prefixes: Iterable[str] | None,
+    readers: dict[str, BlobReader],
+) -> list[_Read]:
+    """What to read, after checking every needed tensor's dtype, shape and size against the manifest."""
+    by_location: dict[tuple[str, str], _Read] = {}
+    for name, _ in _selected(skeleton, prefixes):
+        ref = manifest.tensors.get(name)
+        if ref is None:
+            raise CheckpointCorrupt(cid, f"{STATE} names tensor {name!r}, which the manifest does not list")
+        if ref.blob not in readers:
+            try:
+                readers[ref.blob] = BlobReader(catalog.path(ref.blob))
+            except (OSError, ValueError) as exc:
+                raise CheckpointCorrupt(cid, f"{ref.blob}: {exc}") from None
+        read = by_location.get((ref.blob, ref.key))
+        if read is None:
+            entry = readers[ref.blob].entries.get(ref.key)
+            found = (
+                None if entry is None else (entry.end - entry.start, DTYPE_NAMES[entry.dtype], entry.shape)
+            )
+            if entry is None or found != (ref.nbytes, ref.dtype, ref.shape):
+                raise CheckpointCorrupt(
+                    cid,
+                    f"{ref.blob}: tensor {ref.key!r} is {found}, the manifest records {ref.dtype}{ref.shape}",
+                )
+            read = by_location[(ref.blob, ref.key)] = _Read(readers[ref.blob], entry, ref, [])
+        read.names.append(name)
+    return list(by_location.values())
+
+
+def _target(entry: BlobEntry, dst: torch.Tensor | None) -> torch.Tensor:
+    """The live tensor itself when the bytes can go straight into it, else fresh memory."""
+    fits = (
+        dst is not None
+        and tuple(dst.shape) == entry.shape
+        and dst.dtype == entry.dtype
+        and dst.device.type == "cpu"
+        and dst.is_contiguous()
+    )
+    return dst if fits else torch.empty(entry.shape, dtype=entry.dtype)  # type: ignore[return-value]
+
+
+def _shares(reads: list[_Read]) -> list[list[_Read]]:
+    """Split reads into THREADS lists of about equal bytes."""
+    shares: list[list[_Read]] = [[] for _ in range(THREADS)]
+    sizes = [0] * THREADS
+    for r in sorted(reads, key=lambda r: -r.ref.nbytes):
+        i = sizes.index(min(sizes))
+        shares[i].append(r)
+        sizes[i] += r.ref.nbytes
+    return shares
+
+
+def _read(r: _Read, check: bool) -> None:
+    assert r.target is not None
+    digest = digest_start(r.entry.dtype, r.entry.shape) if check and r.ref.digest else None
+    try:
+        r.reader.read_into(r.entry, r.target, digest)
+    except (OSError, ValueError) as exc:
+        r.reason = f"{r.ref.blob}: reading tensor {r.ref.key!r} failed ({exc})"
+        return
+    if digest is not None and digest.hexdigest() != r.ref.digest:
+        r.reason = (
+            f"{r.ref.blob}: tensor {r.ref.key!r} checksum mismatch: "
+            f"expected xxh3-128 {r.ref.digest}, found {digest.hexdigest()}"
+        )
+
+
+def _place(r: _Read, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hand the read bytes to every name using them; each name gets its own tensor."""
+    assert r.target is not None
+    out = {}
+    for i, name in enumerate(r.names):
+        dst = live.get(name)
+        if (
+            dst is not None
+            and dst is not r.target
+            and dst.shape == r.target.shape
+            and dst.dtype == r.target.dtype
+        ):
+            out[name] = dst.copy_(
+                r.target
+            )  # a live tensor the bytes could not go into directly (e.g. on GPU)
+        elif i == 0 or dst is r.target:
+            out[name] = r.target
+        else:
+            out[name] = r.target.clone()
+    return out

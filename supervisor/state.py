@@ -1,0 +1,192 @@
+"""Training-state registry: named stateful parts, every RNG stream, counters and extras as one nested state.
+
+Key paths name every leaf: "<part>.<key>..." ("model.encoder.weight", "optimizer.param_groups.0.lr"),
+"rng.torch", "counters.step", "extras.<name>". Partial restores select leaves by key-path prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from supervisor.checkpoint.flatten import could_match, flatten, leaf_paths, matches, overlay
+from supervisor.errors import CheckpointError, UserError
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
+
+RESERVED = ("rng", "counters", "extras")
+COUNTERS = ("step", "epoch", "samples_seen")
+
+
+class StateNameError(UserError, ValueError):
+    """A part was registered under a name that cannot be used."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python `random`, NumPy's global generator, torch CPU and every CUDA device, as JSON and tensors."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        rng["cuda"] = list(torch.cuda.get_rng_state_all())
+    return rng
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    """Set every RNG stream captured by capture_rng(); streams absent from `rng` are left alone."""
+    if "python" in rng:
+        py = rng["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    if "numpy" in rng:
+        n = rng["numpy"]
+        keys = np.asarray(n["keys"], dtype=np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"].to(dtype=torch.uint8, device="cpu"))
+    if "cuda" in rng:
+        states = list(rng["cuda"])
+        if not torch.cuda.is_available():
+            log.warning(
+                "Checkpoint holds RNG state for %d CUDA devices; no CUDA here, so it was skipped", len(states)
+            )
+            return
+        count = torch.cuda.device_count()
+        if count != len(states):
+            log.warning(
+                "Checkpoint holds RNG state for %d CUDA devices, this process sees %d", len(states), count
+            )
+        for index, state in enumerate(states[:count]):
+            torch.cuda.set_rng_state(state.to(dtype=torch.uint8, device="cpu"), index)
+
+
+class TrainingState:
+    """Everything a bit-exact resume needs: registered parts, RNG streams, counters and extras.
+
+    Register anything with state_dict()/load_state_dict(): models, optimizers, schedulers, GradScaler,
+    the data loader. `state_dict()` returns tensors that alias live ones; a CheckpointManager copies them.
+    Not thread-safe: use it from the training thread.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Stateful] = {}
+        self.step = 0
+        self.epoch = 0
+        self.samples_seen = 0
+        self.extras: dict[str, Any] = {}
+
+    def register(self, name: str, obj: Any) -> Any:
+        """Register `obj` under `name`; returns `obj`."""
+        if not isinstance(name, str) or not name or "." in name or "#" in name:
+            raise StateNameError(
+                f"register(): name: expected a non-empty string without '.' or '#', got {name!r}"
+            )
+        if name in RESERVED:
+            raise StateNameError(f"register(): name {name!r} is reserved ({', '.join(RESERVED)})")
+        if name in self._parts:
+            raise StateNameError(f"register(): {name!r} is already registered")
+        if not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise StateNameError(
+                f"register({name!r}): expected an object with state_dict() and load_state_dict(), "
+                f"got {type(obj).__qualname__}"
+            )
+        self._parts[name] = obj
+        return obj
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._parts)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._parts[name]
+
+    def counters(self) -> dict[str, int]:
+        return {k: int(getattr(self, k)) for k in COUNTERS}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The nested state: each part's state_dict(), "rng", "counters" and "extras"."""
+        nested: dict[str, Any] = {name: obj.state_dict() for name, obj in self._parts.items()}
+        nested["counters"] = self.counters()
+        nested["extras"] = dict(self.extras)
+        nested["rng"] = capture_rng()
+        return nested
+
+    def load_state_dict(self, nested: dict[str, Any], *, prefixes: Iterable[str] | None = None) -> None:
+        """Restore from a nested state; with `prefixes`, only the leaves under them (e.g. "model.encoder.")."""
+        prefixes = None if prefixes is None else [str(p) for p in prefixes]
+        if prefixes is not None:
+            self._check_prefixes(nested, prefixes)
+        for name, obj in self._parts.items():
+            if not could_match(name, prefixes):
+                continue
+            if name not in nested:
+                held = ", ".join(k for k in nested if k not in RESERVED) or "nothing"
+                raise CheckpointError(
+                    f"checkpoint has no state for registered part {name!r} (it holds: {held})"
+                )
+            saved = nested[name]
+            obj.load_state_dict(
+                saved if matches(name, prefixes) else overlay(obj.state_dict(), saved, name, prefixes)
+            )
+        for name in nested:
+            if name not in self._parts and name not in RESERVED and could_match(name, prefixes):
+                log.warning("Checkpoint holds state for %r, which is not registered; ignored", name)
+        counters = nested.get("counters", {})
+        for key in COUNTERS:
+            if key in counters and matches(f"counters.{key}", prefixes):
+                setattr(self, key, int(counters[key]))
+        if "extras" in nested and could_match("extras", prefixes):
+            self.extras = overlay(dict(self.extras), nested["extras"], "extras", prefixes or ["extras"])
+        if "rng" in nested and could_match("rng", prefixes):
+            restore_rng(
+                nested["rng"] if matches("rng", prefixes) else overlay({}, nested["rng"], "rng", prefixes)
+            )
+
+    @staticmethod
+    def _check_prefixes(nested: dict[str, Any], prefixes: list[str]) -> None:
+        paths = list(leaf_paths(nested))
+        for prefix in prefixes:
+            if not any(matches(p, [prefix]) for p in paths):
+                tops = ", ".join(sorted(nested))
+                raise CheckpointError(
+                    f"restore prefix {prefix!r} selects nothing in the checkpoint (top level: {tops})"
+                )
+
+    def copies_on_load(self, path: str) -> bool:
+        """True when restoring the leaf at `path` copies it (so a restore may pass a buffer it must keep)."""
+        top = path.split(".", 1)[0]
+        return top == "rng" or isinstance(self._parts.get(top), torch.nn.Module)
+
+    def live_tensors(self) -> dict[str, torch.Tensor]:
+        """Model and optimizer tensors by tensor name, so a restore can write into them instead of allocating.
+
+        Loading a module from its own tensors copies nothing (torch skips a copy onto the same memory) and
+        an optimizer keeps the tensors it is given, so writing here is the only copy a restore makes.
+        """
+        live: dict[str, torch.Tensor] = {}
+        for name, obj in self._parts.items():
+            if isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+                live.update(flatten(obj.state_dict(), name)[1])
+        return live

@@ -1,0 +1,206 @@
+"""deployments/ end to end: a real server, a process pool and worker, `prefect deploy`, runs, an Automation."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import REPO
+from tests.prefect_servers import PrefectServer, ProcessWorker, descendants, kill_leftovers
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+AUTOMATION_YAML = REPO / "deployments" / "resume-on-crash.yaml"
+ZOMBIE_YAML = REPO / "deployments" / "crash-zombies.yaml"
+DEPLOYMENT = "supervised-training/charlm-palm-spike"
+POOL = "training"  # the pool named in prefect.yaml
+COMMAND = "python examples/charlm.py --steps 60 --eval-every 20"  # relative: only resolves in the checkout
+
+# Checkpoints every 20 steps, resumes in place after infrastructure faults; nothing that a healthy
+# 60-step run could trip.
+TEST_POLICY = """\
+version: 1
+name: deploy-test
+checkpoint:
+  every_steps: 20
+  keep_last: 3
+  async: true
+  storage: ./checkpoints
+  verify: fast
+monitor:
+  poll_seconds: 0.5
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+rules:
+  - when: [preemption, hardware_fault, unknown_exit]
+    action: resume
+    target: {select: latest}
+    allow_scratch: true
+  - when: [software_error, oom]
+    action: fail
+limits:
+  max_rollbacks: 1
+  max_restarts: 2
+  backoff: {initial_seconds: 0.1, max_seconds: 1, multiplier: 2, jitter: false}
+"""
+
+UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+@dataclass
+class Stack:
+    server: PrefectServer
+    worker: ProcessWorker
+
+    def run(self, tmp_path: Path, lineage: str) -> tuple[str, Path]:
+        """Trigger the deployment on the example with a test policy; returns (flow run id, workdir)."""
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(TEST_POLICY)
+        workdir = tmp_path / "rollback"
+        out = self.server.cli(
+            "deployment", "run", DEPLOYMENT,
+            "--param", f"command={COMMAND}",
+            "--param", f"policy={policy}",
+            "--param", f"lineage={lineage}",
+            "--param", f"workdir={workdir}",
+            "--params", json.dumps({"stop_grace_seconds": 10}),
+        )  # fmt: skip
+        match = UUID_RE.search(out.split("UUID", 1)[-1])
+        assert match, out
+        return match.group(0), workdir
+
+    def diagnostics(self, workdir: Path, lineage: str) -> str:
+        parts = [f"--- worker log ---\n{self.worker.log_tail()}"]
+        parts.append(f"--- server log ---\n{self.server.log.read_text(errors='replace')[-2000:]}")
+        for log in sorted((workdir / "lineages" / lineage / "segments").glob("*.log")):
+            parts.append(f"--- {log.name} ---\n{log.read_text(errors='replace')[-2000:]}")
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    """Server, process pool, the deployments from prefect.yaml, and a worker; all stopped by PID after."""
+    root = tmp_path_factory.mktemp("prefect-stack")
+    baseline = {p.pid for p in psutil.Process().children(recursive=True)}
+    server = PrefectServer(root / "server")
+    # The worker runs from a directory of its own: only the deployment's pull step can put the flow run
+    # in the checkout, where the entrypoint and the relative paths in COMMAND resolve.
+    worker = ProcessWorker(server, POOL, root / "worker")
+    worker.root.mkdir()
+    captured: list[psutil.Process] = []
+    try:
+        server.start()
+        server.cli("work-pool", "create", POOL, "--type", "process")
+        server.cli(
+            "--no-prompt", "deploy", "--prefect-file", str(PREFECT_YAML), "--all",
+            cwd=REPO, ROLLBACK_SUPERVISOR_REPO=str(REPO),
+        )  # fmt: skip
+        worker.start()
+        yield Stack(server, worker)
+    finally:
+        captured = descendants(worker.proc, server.proc)
+        worker.stop()  # the worker first (SIGINT), then its server
+        server.stop()
+        leftovers = kill_leftovers(captured)
+    assert not leftovers, f"still running after the worker and server stopped: {leftovers}"
+    remaining = [p for p in psutil.Process().children(recursive=True) if p.pid not in baseline]
+    assert not remaining, f"child processes left behind: {remaining}"
+
+
+def _record(workdir: Path, lineage: str) -> dict[str, Any]:
+    return json.loads((workdir / "lineages" / lineage / "lineage.json").read_text())
+
+
+def _metric_steps(record: dict[str, Any], key: str) -> list[tuple[int, float]]:
+    client = MlflowClient(tracking_uri=record["mlflow"]["tracking_uri"])
+    return sorted((m.step, m.value) for m in client.get_metric_history(record["mlflow"]["run_id"], key))
+
+
+def test_deploy_from_prefect_yaml_and_run_the_example_to_completion(stack: Stack, tmp_path: Path):
+    deployment = stack.server.get(f"/deployments/name/{DEPLOYMENT}")
+    assert deployment["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]
+    assert deployment["work_pool_name"] == POOL
+    limit = deployment.get("global_concurrency_limit") or {}
+    assert deployment.get("concurrency_limit") == 1 or limit.get("limit") == 1, deployment
+    assert deployment["parameters"]["policy"] == "policies/presets/palm-spike.yaml"
+
+    lineage = "deploy-e2e"
+    run_id, workdir = stack.run(tmp_path, lineage)
+    run = stack.server.wait_flow_run(run_id, timeout=300)
+    state = run["state"]
+    assert state["type"] == "COMPLETED", f"{state}\n{stack.diagnostics(workdir, lineage)}"
+    assert run["parameters"]["lineage"] == lineage
+
+    record = _record(workdir, lineage)
+    assert record["status"] == "finished", record["final_reason"]
+    assert record["final_checkpoint"].startswith("0000000060-")
+    assert record["mlflow"]["tracking_uri"] == f"sqlite:///{workdir / 'mlflow.db'}"
+    assert [step for step, _ in _metric_steps(record, "loss")] == list(range(1, 61))
+    client = MlflowClient(tracking_uri=record["mlflow"]["tracking_uri"])
+    assert client.get_run(record["mlflow"]["run_id"]).info.status == "FINISHED"
+
+
+def _wait_heartbeat_step(stack: Stack, run_id: str, workdir: Path, lineage: str, step: int) -> int:
+    path = workdir / "lineages" / lineage / "heartbeat.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            seen = json.loads(path.read_text()).get("step") or 0
+        except (FileNotFoundError, json.JSONDecodeError):
+            seen = 0
+        if seen >= step:
+            return seen
+        state = stack.server.get(f"/flow_runs/{run_id}")["state"]
+        assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING"), stack.diagnostics(workdir, lineage)
+        time.sleep(0.5)
+    raise AssertionError(f"training never reached step {step}\n{stack.diagnostics(workdir, lineage)}")
+
+
+def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(stack: Stack, tmp_path: Path):
+    stack.server.cli("automation", "create", "--from-file", str(AUTOMATION_YAML))
+    stack.server.cli("automation", "create", "--from-file", str(ZOMBIE_YAML))  # the README installs both
+    lineage = "crash-e2e"
+    first_id, workdir = stack.run(tmp_path, lineage)
+    _wait_heartbeat_step(stack, first_id, workdir, lineage, 25)  # past the checkpoint at step 20
+
+    # The machine is lost: the flow-run process and its training segment die at once, with no warning.
+    engines = [p for p in descendants(stack.worker.proc) if "prefect.engine" in " ".join(p.cmdline())]
+    assert len(engines) == 1, engines
+    tree = [engines[0], *engines[0].children(recursive=True)]
+    for proc in tree:
+        proc.kill()
+    psutil.wait_procs(tree, timeout=10)
+    first = stack.server.wait_flow_run(first_id, timeout=60)
+    assert first["state"]["type"] == "CRASHED", first["state"]
+
+    deadline = time.monotonic() + 120
+    while not (others := [r for r in stack.server.post("/flow_runs/filter") if r["id"] != first_id]):
+        assert time.monotonic() < deadline, f"the Automation started no new run\n{stack.worker.log_tail()}"
+        time.sleep(1)
+    second = others[0]
+    assert second["deployment_id"] == first["deployment_id"]
+    assert second["parameters"] == first["parameters"]
+    done = stack.server.wait_flow_run(second["id"], timeout=400)
+    assert done["state"]["type"] == "COMPLETED", f"{done['state']}\n{stack.diagnostics(workdir, lineage)}"
+
+    record = _record(workdir, lineage)
+    assert record["status"] == "finished", record["final_reason"]
+    assert [s["outcome"] for s in record["segments"]] == ["interrupted", "finished"]
+    assert record["segments"][0]["event"]["type"] == "preemption"
+    assert record["final_checkpoint"].startswith("0000000060-")
+    restored = [int(value) for step, value in _metric_steps(record, "rollback.restored_step") if step > 0]
+    assert restored and restored[-1] >= 20, "the resumed run started from scratch, not from a checkpoint"
+    # The resumed segment logs every step after its checkpoint into the same MLflow run.
+    steps = {step for step, _ in _metric_steps(record, "loss")}
+    assert set(range(restored[-1] + 1, 61)) <= steps and max(steps) == 60

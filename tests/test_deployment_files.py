@@ -1,0 +1,87 @@
+"""deployments/ files agree with the code: entrypoint, parameters, presets, pull step, Automation schema."""
+
+from __future__ import annotations
+
+import ast
+import shlex
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+DEPLOYMENTS = REPO / "deployments"
+
+
+@pytest.fixture(scope="module")
+def prefect_yaml() -> dict:
+    return yaml.safe_load((DEPLOYMENTS / "prefect.yaml").read_text())
+
+
+def _flow_function(path: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse((REPO / path).read_text())
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert found, f"{path} defines no function {name!r}"
+    return found[0]
+
+
+def test_every_deployment_targets_the_flow_with_parameters_it_accepts(prefect_yaml: dict):
+    assert prefect_yaml["deployments"], "prefect.yaml defines no deployment"
+    for deployment in prefect_yaml["deployments"]:
+        path, _, name = deployment["entrypoint"].partition(":")
+        fn = _flow_function(path, name)
+        # The flow's name is what `prefect deployment run 'supervised-training/...'` and the Automation use.
+        (decorator,) = [d for d in fn.decorator_list if isinstance(d, ast.Call) and d.func.id == "flow"]
+        assert {k.arg: k.value.value for k in decorator.keywords}["name"] == "supervised-training"
+        accepted = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+        assert set(deployment["parameters"]) <= accepted, set(deployment["parameters"]) - accepted
+        assert deployment["concurrency_limit"] == 1, deployment["name"]
+
+
+def test_default_parameters_run_the_example_under_the_palm_spike_preset(prefect_yaml: dict):
+    from policies import load_policy
+
+    params = prefect_yaml["deployments"][0]["parameters"]
+    argv = shlex.split(params["command"])
+    assert argv[0] == "python" and (REPO / argv[1]).is_file(), argv
+    assert params["policy"] == "policies/presets/palm-spike.yaml"
+    assert load_policy(REPO / params["policy"]).name == "palm-spike"
+    assert params["lineage"] and params["workdir"]
+    # A run started right after a crash must outwait the dead supervisor's lease (60 s TTL).
+    assert params["lease_wait_seconds"] > 60
+
+
+def test_pull_step_sets_the_working_directory_from_the_environment(prefect_yaml: dict):
+    assert prefect_yaml["pull"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $ROLLBACK_SUPERVISOR_REPO }}"}}
+    ]
+    env = prefect_yaml["deployments"][0]["work_pool"]["job_variables"]["env"]
+    assert env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    assert int(env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]) >= 30  # Prefect rejects less
+
+
+def test_resume_automation_is_a_valid_prefect_automation():
+    from prefect.events.schemas.automations import AutomationCore
+
+    data = yaml.safe_load((DEPLOYMENTS / "resume-on-crash.yaml").read_text())
+    automation = AutomationCore.model_validate(data)
+    assert automation.trigger.expect == {"prefect.flow-run.Crashed"}
+    (action,) = automation.actions
+    assert action.type == "run-deployment" and action.source == "inferred"
+
+
+def test_zombie_automation_marks_silent_runs_crashed_after_missed_heartbeats(prefect_yaml: dict):
+    from prefect.events.schemas.automations import AutomationCore, Posture
+
+    data = yaml.safe_load((DEPLOYMENTS / "crash-zombies.yaml").read_text())
+    automation = AutomationCore.model_validate(data)
+    assert automation.trigger.posture == Posture.Proactive
+    assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
+    (action,) = automation.actions
+    assert action.type == "change-flow-run-state" and action.state.value == "CRASHED"
+    frequency = int(
+        prefect_yaml["deployments"][0]["work_pool"]["job_variables"]["env"][
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
+        ]
+    )
+    assert automation.trigger.within.total_seconds() >= 2 * frequency  # one late heartbeat is not a crash
