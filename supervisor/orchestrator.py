@@ -297,7 +297,7 @@ class LineageRunner:
         while True:
             for rec in self._events_since(self.record["events_consumed"]):
                 seen = Event.from_dict(rec["event"])
-                if seen.type == event.type and seen.metric == event.metric:
+                if seen.type == event.type and seen.metric == event.metric and _same_onset(seen, event):
                     return True
             if time.monotonic() >= deadline:
                 return False
@@ -433,6 +433,13 @@ def artifact_location(tracking_uri: str, workdir: Path) -> str | None:
     if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
         return (Path(workdir).resolve() / "mlartifacts").as_uri()
     return None
+
+
+def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:
+    """Both sides run the same detectors on the same points, so one anomaly has (nearly) one onset."""
+    if a.onset_step is None or b.onset_step is None:
+        return True
+    return abs(a.onset_step - b.onset_step) <= tolerance
 
 
 def _kill_stale(seg: dict[str, Any]) -> None:

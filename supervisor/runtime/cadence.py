@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -29,14 +30,15 @@ class Cadence:
     _save_cost: float | None = None
     _step_time: float | None = None
     _prev_time: float | None = field(default=None, repr=False)
+    _recent: deque = field(default_factory=lambda: deque(maxlen=50), repr=False)
 
     def start(self, step: int, now: float) -> None:
         self._last_step, self._last_time, self._prev_time = step, now, now
 
     def observe_step(self, now: float) -> None:
-        if self._prev_time is not None:
-            dt = now - self._prev_time
-            self._step_time = dt if self._step_time is None else 0.9 * self._step_time + 0.1 * dt
+        if self._prev_time is not None and now > self._prev_time:
+            self._recent.append(now - self._prev_time)
+            self._step_time = sum(self._recent) / len(self._recent)
         self._prev_time = now
 
     def observe_save(self, blocked_s: float) -> None:

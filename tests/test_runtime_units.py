@@ -1,0 +1,97 @@
+"""Pure pieces of the training side and the supervisor: cadence, layout, plan, LR scaling."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from supervisor.errors import UserError
+from supervisor.layout import LineageLayout, check_lineage_name
+from supervisor.runtime.cadence import Cadence, young_daly_interval
+from supervisor.runtime.plan import LaunchPlan, RestoreSpec
+from supervisor.runtime.wiring import apply_lr_scale
+
+
+@pytest.mark.parametrize(
+    ("every", "steps", "due"),
+    [(20, [19, 20, 21, 40], [False, True, False, True]), (None, [1, 100], [False, False])],
+)
+def test_fixed_cadence_is_aligned_to_multiples(every, steps, due):
+    cadence = Cadence(every_steps=every)
+    cadence.start(0, 0.0)
+    assert [cadence.due(s, 0.0) for s in steps] == due
+
+
+def test_time_cadence_fires_after_every_seconds():
+    cadence = Cadence(every_steps=None, every_seconds=10.0)
+    cadence.start(0, 100.0)
+    assert not cadence.due(5, 109.9)
+    assert cadence.due(6, 110.0)
+    cadence.saved(6, 110.0)
+    assert not cadence.due(7, 115.0)
+
+
+def test_young_daly_interval_and_adaptive_steps():
+    assert young_daly_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
+    cadence = Cadence(every_steps=1000, adaptive=True, mtbf_s=3600.0)
+    cadence.start(0, 0.0)
+    for t in range(11):  # steps of 0.5 s
+        cadence.observe_step(t * 0.5)
+    cadence.observe_save(2.0)
+    # sqrt(2 * 2 * 3600) = 120 s at 0.5 s a step = 240 steps, under the every_steps cap.
+    assert cadence.interval_steps() == 240
+    assert not cadence.due(239, 0.0) and cadence.due(240, 0.0)
+    capped = Cadence(every_steps=100, adaptive=True, mtbf_s=3600.0)
+    capped.start(0, 0.0)
+    capped.observe_step(0.0)
+    capped.observe_step(0.5)
+    capped.observe_save(2.0)
+    assert capped.interval_steps() == 100
+
+
+def test_layout_local_and_url_storage(tmp_path: Path):
+    local = LineageLayout.resolve(tmp_path, "./checkpoints", "run-1")
+    assert local.local == tmp_path.resolve() / "lineages" / "run-1"
+    assert local.checkpoints == tmp_path.resolve() / "checkpoints" / "run-1"
+    assert local.durable == str(local.local) and local.remote is None
+    remote = LineageLayout.resolve(tmp_path, "s3://bucket/prefix/", "run-1")
+    assert remote.durable == "s3://bucket/prefix/run-1"
+    assert remote.remote == "s3://bucket/prefix/run-1/checkpoints"
+    assert remote.checkpoints == tmp_path.resolve() / "lineages" / "run-1" / "checkpoints"
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "-x", "x" * 101])
+def test_bad_lineage_names_are_user_errors(bad):
+    with pytest.raises(UserError, match="--lineage"):
+        check_lineage_name(bad)
+
+
+def test_plan_round_trips_through_json(tmp_path: Path):
+    plan = LaunchPlan(
+        lineage="l", workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), tracking_uri="sqlite:///x.db",
+        restore=RestoreSpec("0000000020-000002", skip_batches=7, lr_scale=0.5, rollback=True),
+        history={"entries": []}, supervisor_pid=123,
+    )  # fmt: skip
+    assert LaunchPlan.read(plan.write(tmp_path / "plan.json")) == plan
+
+
+def test_unreadable_plan_is_a_user_error(tmp_path: Path):
+    (tmp_path / "plan.json").write_text("{not json")
+    with pytest.raises(UserError, match="launch plan"):
+        LaunchPlan.read(tmp_path / "plan.json")
+
+
+def test_lr_scale_survives_the_scheduler():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    sched.step()
+    before = sched.get_last_lr()[0]
+    apply_lr_scale([opt], [sched], 0.5)
+    assert opt.param_groups[0]["lr"] == before * 0.5
+    sched.step()  # the schedule goes on from the scaled base LR
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1.0 / 3)
+    assert sched.state_dict()["base_lrs"] == [0.5]
