@@ -67,6 +67,17 @@ def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> No
             fh.write(text)
 
 
+def _dead_here(owner: str) -> bool:
+    """A holder on this host whose process is gone (SIGKILL) need not be waited for until expiry."""
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    import psutil
+
+    return not psutil.pid_exists(int(pid))
+
+
 @dataclass
 class Lease:
     """A lease with expiry in the storage: two supervisors never drive one lineage at once.
@@ -102,6 +113,7 @@ class Lease:
                 current is None
                 or current.get("owner") == self.owner
                 or current.get("expires_at", 0) < self.clock()
+                or _dead_here(current.get("owner", ""))
             ):
                 if self._take(current):
                     return

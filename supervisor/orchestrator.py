@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -109,6 +110,9 @@ class LineageRunner:
             record["final_reason"] = None
         record["command"] = list(self.options.command)
         record["policy"] = {"path": str(self.options.policy_path), "name": self.policy.name}
+        if not (self.layout.local / "events.jsonl").exists():
+            # The count indexes this machine's events.jsonl; a lineage that moved here starts a new file.
+            record["events_consumed"] = 0
         self.record = record
         self.history = History.from_dict(record["history"]) if record["history"] else History()
         self.pending = self._decide_interrupted()
@@ -247,7 +251,9 @@ class LineageRunner:
             report_history=False,
             request_timeout=5.0,
         )
-        monitor.detectors.progress(self.clock())
+        monitor.detectors.progress(
+            self.clock(), phase="checkpoint"
+        )  # start-up and restore get the long grace
         stopped_for = None
         try:
             while segment.poll() is None:
@@ -259,7 +265,7 @@ class LineageRunner:
                 self.renew_lease()
                 try:
                     segment.proc.wait(self.policy.monitor.poll_seconds)
-                except Exception:  # TimeoutExpired: still running
+                except subprocess.TimeoutExpired:  # still running
                     pass
         except BaseException:
             # The supervisor itself is going away (SIGTERM on a spot machine, Ctrl-C): let the training save
@@ -268,6 +274,7 @@ class LineageRunner:
             exit_info = segment.wait()
             seg_record.update(
                 ended=self.clock(), returncode=exit_info.returncode, outcome="interrupted",
+                signal_sent=exit_info.signal_sent,
                 last_step=_heartbeat_step(plan.heartbeat_path),
                 event=Event(type="preemption", reason="the supervisor was interrupted; training stopped with an "
                             "emergency checkpoint", source="supervisor",

@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.servers import _wait_http, free_port, stop_pid
 
@@ -53,13 +56,49 @@ class S3Server:
         stop_pid(self.proc)
         self.proc = None
 
-    def new_bucket(self, prefix: str = "rbs") -> str:
-        """Create a fresh bucket through the server; returns its name."""
+    def new_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (a fresh random name unless given) through the server; returns its name."""
         import s3fs
 
-        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        name = name or f"rbs-{uuid.uuid4().hex[:10]}"
         fs = s3fs.S3FileSystem(
             key="testing", secret="testing", endpoint_url=self.endpoint, skip_instance_cache=True
         )
         fs.mkdir(name)
         return name
+
+    def requests(self) -> list[str]:
+        """The request lines the server logged so far, e.g. `PUT /bucket/key`, in the order it answered them."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if '"' in line and " HTTP/" in line:
+                method, _, rest = line.split('"', 2)[1].partition(" ")
+                out.append(f"{method} {rest.rsplit(' HTTP/', 1)[0]}")
+        return out
+
+
+def forget_s3_clients() -> None:
+    """s3fs caches file systems (and their endpoint) per process; a new server needs new ones."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+#: The bucket the s3 test policies name (tests/data/policies/spot-s3.yaml).
+POLICY_BUCKET = "rollback-tests"
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A moto S3 server for one test module, with this process's (and its children's) env pointed at it."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        server.new_bucket(POLICY_BUCKET)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in server.env().items():
+                mp.setenv(key, value)
+            forget_s3_clients()
+            yield server
+    finally:
+        forget_s3_clients()
+        server.stop()

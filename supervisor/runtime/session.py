@@ -137,6 +137,9 @@ class Session:
     def restore(self) -> CheckpointInfo | None:
         """Restore per the plan: the named checkpoint (or the latest valid), then skip batches and scale the LR."""
         self._restored = True
+        self._heartbeat.beat(
+            self.state.step, "checkpoint"
+        )  # restoring (maybe downloading) is slow, not stuck
         spec = self.plan.restore
         info = None
         if not spec.from_scratch:
