@@ -67,6 +67,10 @@ def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> No
             fh.write(text)
 
 
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 def _dead_here(owner: str) -> bool:
     """A holder on this host whose process is gone (SIGKILL) need not be waited for until expiry."""
     host, _, rest = owner.partition(":")
@@ -82,7 +86,10 @@ def _dead_here(owner: str) -> bool:
 class Lease:
     """A lease with expiry in the storage: two supervisors never drive one lineage at once.
 
-    Local storage uses an exclusive create for the take-over; object stores use write-then-read-back.
+    Local storage guards the take-over with an exclusive lock file. S3 (and compatible stores) use conditional
+    writes: `If-None-Match: *` when there is no holder, `If-Match: <etag>` to replace the record that was
+    judged expired, so of two supervisors racing for one lease exactly one write succeeds. Other object stores
+    fall back to write-then-read-back, which narrows the race but cannot close it.
     A holder must `renew()` more often than `ttl_seconds`; a crashed holder's lease expires.
     """
 
@@ -98,6 +105,7 @@ class Lease:
         self.owner = self.owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     def holder(self) -> dict[str, Any] | None:
+        self.fs.invalidate_cache(self.path)  # object stores: never judge a lease from a cached listing
         try:
             with self.fs.open(self.path, "r") as fh:
                 return json.load(fh)
@@ -152,9 +160,41 @@ class Lease:
             finally:
                 os.close(fd)
                 os.unlink(lock)
+        if "s3" in _protocols(self.fs):
+            return self._swap(seen, record)
         write_json_atomic(self.fs, self.path, record)
         time.sleep(0.2)
         return (self.holder() or {}).get("owner") == self.owner
+
+    def _swap(self, seen: dict[str, Any] | None, record: dict[str, Any]) -> bool:
+        """Compare-and-swap on S3: replace exactly the record `seen` (or create one where there was none)."""
+        data = json.dumps(record, indent=2, sort_keys=True).encode()
+        if seen is None:
+            condition = {"mode": "create"}  # If-None-Match: *
+        else:
+            etag = self._etag_of(seen)
+            if etag is None:
+                return False  # it changed since it was judged: look again
+            condition = {"IfMatch": etag}
+        try:
+            self.fs.pipe_file(self.path, data, **condition)
+        except (OSError, FileExistsError):
+            return False  # 412 Precondition Failed: another supervisor wrote first
+        finally:
+            self.fs.invalidate_cache(self.path)
+        return True
+
+    def _etag_of(self, seen: dict[str, Any]) -> str | None:
+        """The ETag of the stored record if it still is `seen`; None if it changed or vanished meanwhile."""
+        self.fs.invalidate_cache(self.path)
+        try:
+            before = self.fs.info(self.path)["ETag"]
+            current = json.loads(self.fs.cat_file(self.path))
+            self.fs.invalidate_cache(self.path)
+            after = self.fs.info(self.path)["ETag"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return None
+        return before if before == after and current == seen else None
 
     def renew(self) -> None:
         current = self.holder()

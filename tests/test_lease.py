@@ -92,20 +92,7 @@ def test_lease_wait_gives_up_at_its_deadline(lease_root: str):
     assert b.holder()["owner"] == A
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "local",
-        pytest.param(
-            "s3",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Lease._take on an object store is write-then-read-back: a supervisor that saw no "
-                "holder before another took the lease overwrites it and both believe they hold it",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["local", "s3"])
 def test_a_stale_read_of_no_holder_cannot_steal_a_held_lease(backend: str, request, tmp_path: Path):
     """b checked for a holder just before a took the lease (the check-then-write race): b must not win."""
     if backend == "s3":
@@ -130,6 +117,32 @@ def test_a_stale_read_of_no_holder_cannot_steal_a_held_lease(backend: str, reque
         pass
     assert real_holder()["owner"] == A
     a.renew()  # a still holds the lease it took
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_two_supervisors_taking_over_one_expired_lease_cannot_both_win(backend: str, request, tmp_path: Path):
+    """b and c both judged a's lease expired from the same read: exactly one take-over write succeeds."""
+    if backend == "s3":
+        request.getfixturevalue("s3_server")
+        root = f"s3://rollback-tests/leases/{uuid.uuid4().hex[:8]}"
+    else:
+        root = str(tmp_path / "lineage")
+    clock = FakeClock()
+    a = Lease(root, ttl_seconds=30, owner=A, clock=clock)
+    a.acquire()
+    clock.now += 31
+    b = Lease(root, ttl_seconds=30, owner=B, clock=clock)
+    c = Lease(root, ttl_seconds=30, owner="host-c:303:cccc", clock=clock)
+    seen = b.holder()
+    assert seen == c.holder() and seen["owner"] == A
+    won = [b._take(seen), c._take(seen)]
+    assert won == [True, False]
+    assert a.holder()["owner"] == B
+    with pytest.raises(LeaseHeldError, match="lost the lease"):
+        a.renew()
+    with pytest.raises(LeaseHeldError, match="lost the lease"):
+        c.renew()
+    b.renew()
 
 
 def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path: Path):
