@@ -116,6 +116,8 @@ def supervised_training(
                 pending.reason,
                 0,
             )
+        elif pending is not None and pending.delay_seconds > 0:
+            runner.sleep(pending.delay_seconds)  # a crash loop through Prefect re-runs still backs off
         for _ in range(max_segments):
             result = run_segment.with_options(task_run_name=f"segment-{len(runner.record['segments'])}")(
                 runner

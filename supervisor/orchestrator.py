@@ -31,6 +31,8 @@ from supervisor.lineage import Lease, LineageStore
 from supervisor.monitor import HeartbeatReader, Monitor, classify_exit
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.runtime.wiring import to_records
+from supervisor.tracking import adopt_tracking, default_tracking_uri, start_run
+from supervisor.tracking import artifact_location as artifact_location  # re-exported for the training side
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
 
@@ -81,9 +83,7 @@ class LineageRunner:
             LineageStore(str(self.layout.local)) if self.layout.durable != str(self.layout.local) else None
         )
         self.lease = Lease(self.layout.durable, ttl_seconds=options.lease_ttl_seconds, clock=clock)
-        self.tracking_uri = (
-            options.tracking_uri or f"sqlite:///{Path(options.workdir).resolve() / 'mlflow.db'}"
-        )
+        self.tracking_uri = options.tracking_uri or default_tracking_uri(Path(options.workdir))
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.record: dict[str, Any] = {}
         self.history = History()
@@ -106,6 +106,10 @@ class LineageRunner:
                 self.options.lineage, len(record["segments"]), record["status"],
             )  # fmt: skip
             self._recover_interrupted(record)
+            self.tracking_uri, self.client = adopt_tracking(
+                record, self.options.tracking_uri, Path(self.options.workdir), self.policy.name
+            )
+            record["storage"] = self._storage()  # this machine's paths (the lineage may have moved here)
             record["status"] = "running"
             record["final_reason"] = None
         record["command"] = list(self.options.command)
@@ -131,15 +135,8 @@ class LineageRunner:
         return pending
 
     def _new_record(self) -> dict[str, Any]:
-        exp = self.client.get_experiment_by_name(self.options.experiment)
-        artifacts = artifact_location(self.tracking_uri, Path(self.options.workdir))
-        exp_id = (
-            exp.experiment_id if exp else self.client.create_experiment(self.options.experiment, artifacts)
-        )
-        run = self.client.create_run(
-            exp_id,
-            run_name=self.options.lineage,
-            tags={"rollback.lineage": self.options.lineage, "rollback.policy": self.policy.name},
+        run_id = start_run(
+            self.client, self.options.experiment, self.options.lineage, self.policy.name, self.options.workdir
         )
         now = self.clock()
         return {
@@ -155,17 +152,20 @@ class LineageRunner:
             "mlflow": {
                 "tracking_uri": self.tracking_uri,
                 "experiment": self.options.experiment,
-                "run_id": run.info.run_id,
+                "run_id": run_id,
             },
-            "storage": {
-                "checkpoints": str(self.layout.checkpoints),
-                "remote": self.layout.remote,
-                "durable": self.layout.durable,
-            },
+            "storage": self._storage(),
             "history": {},
             "events_consumed": 0,
             "next_restore": RestoreSpec().__dict__,
             "segments": [],
+        }
+
+    def _storage(self) -> dict[str, Any]:
+        return {
+            "checkpoints": str(self.layout.checkpoints),
+            "remote": self.layout.remote,
+            "durable": self.layout.durable,
         }
 
     def _recover_interrupted(self, record: dict[str, Any]) -> None:
@@ -433,13 +433,6 @@ class LineageRunner:
         except Exception as exc:
             log.warning("could not close the MLflow run: %s", exc)
         return self.record
-
-
-def artifact_location(tracking_uri: str, workdir: Path) -> str | None:
-    """Keep a local store's artifacts inside the workdir (MLflow's default is ./mlruns in the cwd)."""
-    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
-        return (Path(workdir).resolve() / "mlartifacts").as_uri()
-    return None
 
 
 def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:

@@ -297,3 +297,55 @@ def test_in_process_decisions_survive_a_move_to_another_machine(
     assert [e.decision.reason for e in History.from_dict(second["history"])] == [
         "fake in-process rollback"
     ] * 2
+
+
+@pytest.mark.e2e
+def test_a_lineage_on_a_machine_without_its_mlflow_store_logs_to_a_new_run_here(
+    s3_server: S3Server,  # noqa: F811
+    tmp_path: Path,
+):
+    """No --tracking-uri: machine a's local sqlite store is gone with machine a, so b opens a run of its own."""
+    from mlflow.tracking import MlflowClient
+
+    from supervisor.orchestrator import LineageRunner, RunOptions
+
+    def one_segment_on(machine: Path) -> dict:
+        options = RunOptions(
+            command=(sys.executable, "-c", REPORTS_ONE_IN_PROCESS_ROLLBACK),
+            policy_path=str(S3_POLICY),
+            lineage="moved-tracking",
+            workdir=machine,
+            stop_grace_seconds=5,
+        )
+        runner = LineageRunner(options, sleep=lambda s: None)
+        record = runner.open()
+        assert record["storage"]["checkpoints"].startswith(str(machine))  # this machine's paths, not a's
+        try:
+            assert runner.conclude(runner.run_segment()) is None
+            return runner.finish("finished", "done")
+        finally:
+            runner.close()
+
+    first = one_segment_on(tmp_path / "machine-a")
+    a_store = f"sqlite:///{(tmp_path / 'machine-a' / 'mlflow.db').resolve()}"
+    assert first["mlflow"]["tracking_uri"] == a_store
+    shutil.rmtree(tmp_path / "machine-a")  # the spot machine is gone, and its disk with it
+
+    second = one_segment_on(tmp_path / "machine-b")
+    b_store = f"sqlite:///{(tmp_path / 'machine-b' / 'mlflow.db').resolve()}"
+    assert second["mlflow"]["tracking_uri"] == b_store
+    assert second["mlflow"]["run_id"] != first["mlflow"]["run_id"]
+    assert [(p["tracking_uri"], p["run_id"]) for p in second["mlflow_previous"]] == [
+        (a_store, first["mlflow"]["run_id"])
+    ]
+    run = MlflowClient(tracking_uri=b_store).get_run(second["mlflow"]["run_id"])
+    assert run.data.tags["rollback.lineage"] == "moved-tracking"
+    assert run.info.status == "FINISHED"
+
+    # Same host, another work directory: the recorded store is still reachable, so its run continues.
+    third = one_segment_on(tmp_path / "machine-c")
+    assert (third["mlflow"]["tracking_uri"], third["mlflow"]["run_id"]) == (
+        b_store,
+        second["mlflow"]["run_id"],
+    )
+    assert len(third["mlflow_previous"]) == 1

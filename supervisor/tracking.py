@@ -1,0 +1,103 @@
+"""Where a lineage's MLflow run lives, including after the lineage moves to another machine."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mlflow.tracking import MlflowClient
+
+log = logging.getLogger("rollback_supervisor.tracking")
+
+
+def default_tracking_uri(workdir: Path) -> str:
+    """A local sqlite store in the work directory: no server needed."""
+    return f"sqlite:///{Path(workdir).resolve() / 'mlflow.db'}"
+
+
+def artifact_location(tracking_uri: str, workdir: Path) -> str | None:
+    """Keep a local store's artifacts inside the workdir (MLflow's default is ./mlruns in the cwd)."""
+    if tracking_uri.startswith("sqlite:") or tracking_uri.startswith("file:"):
+        return (Path(workdir).resolve() / "mlartifacts").as_uri()
+    return None
+
+
+def local_store_path(uri: str) -> Path | None:
+    """The file behind a sqlite or file store URI; None for a tracking server."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    if uri.startswith("file:"):
+        return Path(urlparse(uri).path)
+    return None
+
+
+def choose_tracking_uri(
+    recorded: str | None,
+    requested: str | None,
+    default: str,
+    exists: Callable[[Path], bool] = Path.exists,
+) -> str:
+    """The store a resumed lineage logs to: the one asked for; else the recorded one if reachable from here.
+
+    A tracking server is shared between machines, so a recorded server URI is kept. A recorded local store
+    (sqlite or file) is kept only when its file is here too (same host, or a shared file system); a lineage
+    that moved to a machine without it logs to this machine's default store.
+    """
+    if requested:
+        return requested
+    if not recorded or recorded == default:
+        return default
+    path = local_store_path(recorded)
+    return recorded if path is None or exists(path) else default
+
+
+def start_run(client: MlflowClient, experiment: str, lineage: str, policy: str, workdir: Path) -> str:
+    """Create the lineage's MLflow run (and its experiment, with artifacts kept in the workdir when local)."""
+    exp = client.get_experiment_by_name(experiment)
+    artifacts = artifact_location(client.tracking_uri, workdir)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifacts)
+    run = client.create_run(
+        exp_id, run_name=lineage, tags={"rollback.lineage": lineage, "rollback.policy": policy}
+    )
+    return run.info.run_id
+
+
+def adopt_tracking(
+    record: dict[str, Any], requested: str | None, workdir: Path, policy: str
+) -> tuple[str, MlflowClient]:
+    """Point a resumed record at a store reachable from here; open a new run there if its run is elsewhere.
+
+    The run the lineage had is kept in `record["mlflow_previous"]`, so its earlier metrics stay findable.
+    """
+    old = dict(record["mlflow"])
+    uri = choose_tracking_uri(old.get("tracking_uri"), requested, default_tracking_uri(workdir))
+    client = MlflowClient(tracking_uri=uri)
+    if uri == old.get("tracking_uri") or _has_run(client, old.get("run_id")):
+        record["mlflow"] = {**old, "tracking_uri": uri}
+        return uri, client
+    run_id = start_run(
+        client, old.get("experiment") or "rollback-supervisor", record["lineage"], policy, workdir
+    )
+    record.setdefault("mlflow_previous", []).append({**old, "left_at": time.time()})
+    record["mlflow"] = {**old, "tracking_uri": uri, "run_id": run_id}
+    log.warning(
+        "lineage %s: its MLflow run %s lives in %s, which is not reachable from here; logging to a new run "
+        "%s in %s (the old run is kept in the record as mlflow_previous)",
+        record["lineage"], old.get("run_id"), old.get("tracking_uri"), run_id, uri,
+    )  # fmt: skip
+    return uri, client
+
+
+def _has_run(client: MlflowClient, run_id: str | None) -> bool:
+    """Whether `run_id` exists in this store (the same server can be spelled two ways)."""
+    if not run_id:
+        return False
+    try:
+        client.get_run(run_id)
+        return True
+    except Exception:  # MlflowException (not found) or the store being unreachable: not usable here
+        return False
