@@ -1,15 +1,18 @@
 """The standard workload: a small character-level transformer LM, supervised by rollback-supervisor.
 
 Runs stand-alone (local MLflow sqlite store and checkpoints under .rollback/) or under
-`rollback-supervisor run`, which hands it a launch plan through the environment.
+`rollback-supervisor run`, which hands it a launch plan through the environment. Under torchrun it trains
+data-parallel (DDP, gloo): each rank reads its own shard and draws its own dropout stream.
 
     python examples/charlm.py --steps 300
+    torchrun --standalone --nproc_per_node=2 examples/charlm.py --steps 300
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from torch.utils.data import Dataset
 
 from supervisor.data import ResumableLoader
 from supervisor.runtime import Session
+from supervisor.state import rank_seed
 
 DATA = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 
@@ -104,8 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace):
-    """Model, optimizer, scheduler and loaders, all seeded from `args.seed`."""
+def setup_distributed() -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1), join the gloo process group; returns (rank, world_size)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build(args: argparse.Namespace, rank: int = 0, world_size: int = 1):
+    """Model, optimizer, scheduler and loaders, all seeded from `args.seed` (and the rank, under DDP)."""
     torch.manual_seed(args.seed)
     text = args.data.read_text(encoding="utf-8")
     chars = sorted(set(text))
@@ -115,7 +131,15 @@ def build(args: argparse.Namespace):
     split = int(len(ids) * 0.9)
     train = CharData(ids[:split], seq_len)
     val = CharData(ids[split:], seq_len)
-    loader = ResumableLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True, seed=args.seed)
+    loader = ResumableLoader(
+        train,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        seed=args.seed,
+        rank=rank,
+        world_size=world_size,
+    )
     val_batches = [
         torch.utils.data.default_collate(
             [val[i] for i in range(b * args.batch_size, (b + 1) * args.batch_size)]
@@ -125,6 +149,9 @@ def build(args: argparse.Namespace):
     model = CharLM(len(chars), d_model, n_layers, n_heads, seq_len, args.dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    if world_size > 1:
+        # Same initial weights everywhere (seeded above), but each rank its own dropout stream.
+        torch.manual_seed(rank_seed(args.seed, rank, world_size))
     return model, opt, sched, loader, val_batches
 
 
@@ -141,13 +168,17 @@ def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimiz
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
-    model, opt, sched, loader, val_batches = build(args)
+    rank, world_size = setup_distributed()
+    model, opt, sched, loader, val_batches = build(args, rank, world_size)
+    forward = model
+    if world_size > 1:
+        forward = nn.parallel.DistributedDataParallel(model)
 
     sess = Session.attach(config=vars(args), workdir=args.workdir, policy=args.policy, run_name="charlm")
     sess.register(model=model, optimizer=opt, scheduler=sched, data=loader)
     with sess:
         for step, (x, y) in sess.loop(loader, max_steps=args.steps):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -160,7 +191,12 @@ def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimiz
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train(parse_args(argv))[0]
+    code = train(parse_args(argv))[0]
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return code
 
 
 if __name__ == "__main__":

@@ -6,7 +6,22 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils.data import Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from supervisor.state import rank_seed
+
+
+def shard(dataset: Any, rank: int, world_size: int) -> Any:
+    """Rank `rank`'s strided share of `dataset`; every rank gets the same length (the remainder is dropped)."""
+    if type(world_size) is not int or world_size < 1 or type(rank) is not int or not 0 <= rank < world_size:
+        raise ValueError(
+            f"shard(): expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}"
+        )
+    if world_size == 1:
+        return dataset
+    usable = len(dataset) - len(dataset) % world_size
+    return Subset(dataset, range(rank, usable, world_size))
 
 
 class ResumableLoader(StatefulDataLoader):
@@ -16,14 +31,25 @@ class ResumableLoader(StatefulDataLoader):
     global RNG. StatefulDataLoader alone restores the sampler's generator to the start of the epoch plus
     the permutation draw, which misses the per-epoch base-seed draw; the next epoch would then shuffle
     differently from a run that never stopped. The generator's exact state is saved here and set last.
+
+    With `world_size` > 1 (DDP) it reads only its rank's shard (see `shard`) and seeds its generator with
+    `rank_seed(seed, rank, world_size)`, so each rank shuffles its own data reproducibly.
     """
 
     def __init__(
-        self, dataset: Any, *args: Any, seed: int = 0, generator: torch.Generator | None = None, **kwargs: Any
+        self,
+        dataset: Any,
+        *args: Any,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        **kwargs: Any,
     ):
+        dataset = shard(dataset, rank, world_size)
         if generator is None:
             generator = torch.Generator()
-            generator.manual_seed(seed)
+            generator.manual_seed(rank_seed(seed, rank, world_size))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own deprecation noise
             super().__init__(dataset, *args, generator=generator, **kwargs)

@@ -254,6 +254,8 @@ class LineageRunner:
         monitor.detectors.progress(
             self.clock(), phase="checkpoint"
         )  # start-up and restore get the long grace
+        if monitor.heartbeat is not None:
+            monitor.heartbeat.changed()  # the previous segment's last beat is not this one's progress
         stopped_for = None
         try:
             while segment.poll() is None:

@@ -2,6 +2,7 @@
 
 Key paths name every leaf: "<part>.<key>..." ("model.encoder.weight", "optimizer.param_groups.0.lr"),
 "rng.torch", "counters.step", "extras.<name>". Partial restores select leaves by key-path prefix.
+Under DDP, "ranks.<rank>.<rng|part>..." holds what differs per rank; each rank restores its own entry.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from supervisor.errors import CheckpointError, UserError
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 
-RESERVED = ("rng", "counters", "extras")
+RESERVED = ("rng", "counters", "extras", "ranks")
 COUNTERS = ("step", "epoch", "samples_seen")
 
 
@@ -31,6 +32,13 @@ class StateNameError(UserError, ValueError):
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+def rank_seed(seed: int, rank: int, world_size: int) -> int:
+    """A distinct, reproducible seed per rank; `seed` itself for a single process."""
+    if world_size <= 1:
+        return seed
+    return (seed * 1_000_003 + rank + 1) % (2**63)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -94,6 +102,9 @@ class TrainingState:
         self.epoch = 0
         self.samples_seen = 0
         self.extras: dict[str, Any] = {}
+        self.rank = 0
+        #: Every rank's per-rank state ({"<rank>": {...}}), set by the writer rank just before a save.
+        self.rank_states: dict[str, Any] | None = None
 
     def register(self, name: str, obj: Any) -> Any:
         """Register `obj` under `name`; returns `obj`."""
@@ -131,11 +142,22 @@ class TrainingState:
         nested["counters"] = self.counters()
         nested["extras"] = dict(self.extras)
         nested["rng"] = capture_rng()
+        if self.rank_states is not None:
+            nested["ranks"] = self.rank_states
         return nested
+
+    def rank_state_dict(self, parts: Iterable[str]) -> dict[str, Any]:
+        """This rank's own share of the state: every RNG stream and the named parts (e.g. its data loader)."""
+        return {"rng": capture_rng(), **{name: self._parts[name].state_dict() for name in parts}}
 
     def load_state_dict(self, nested: dict[str, Any], *, prefixes: Iterable[str] | None = None) -> None:
         """Restore from a nested state; with `prefixes`, only the leaves under them (e.g. "model.encoder.")."""
         prefixes = None if prefixes is None else [str(p) for p in prefixes]
+        self._load(nested, prefixes)
+        if self.rank or "ranks" in nested:
+            self._load_own_rank(nested, prefixes)
+
+    def _load(self, nested: dict[str, Any], prefixes: list[str] | None) -> None:
         if prefixes is not None:
             self._check_prefixes(nested, prefixes)
         for name, obj in self._parts.items():
@@ -163,6 +185,21 @@ class TrainingState:
             restore_rng(
                 nested["rng"] if matches("rng", prefixes) else overlay({}, nested["rng"], "rng", prefixes)
             )
+
+    def _load_own_rank(self, nested: dict[str, Any], prefixes: list[str] | None) -> None:
+        """Overlay this rank's own entry of "ranks" (its RNG streams and data position) on what was loaded."""
+        own = (nested.get("ranks") or {}).get(str(self.rank))
+        if own is None:
+            if self.rank == 0:
+                return
+            held = ", ".join(sorted(nested.get("ranks") or {})) or "none (a single-process checkpoint)"
+            raise CheckpointError(
+                f"checkpoint has no state for rank {self.rank} (per-rank entries: {held}); "
+                "restore it with the world size that wrote it"
+            )
+        wanted = list(own) if prefixes is None else [p for p in prefixes if p.split(".", 1)[0] in own]
+        if wanted:
+            self._load(own, wanted)
 
     @staticmethod
     def _check_prefixes(nested: dict[str, Any], prefixes: list[str]) -> None:

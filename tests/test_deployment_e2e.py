@@ -186,7 +186,9 @@ def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(sta
     assert first["state"]["type"] == "CRASHED", first["state"]
 
     deadline = time.monotonic() + 120
-    while not (others := [r for r in stack.server.post("/flow_runs/filter") if r["id"] not in {first_id, *earlier}]):
+    while not (
+        others := [r for r in stack.server.post("/flow_runs/filter") if r["id"] not in {first_id, *earlier}]
+    ):
         assert time.monotonic() < deadline, f"the Automation started no new run\n{stack.worker.log_tail()}"
         time.sleep(1)
     second = others[0]

@@ -20,6 +20,11 @@ _PATTERN_TYPES = frozenset(PROCESS_EVENTS - {"hang"})
 _EXCEPTION_LINE = re.compile(
     r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))\b(?::\s*(.*))?$", re.MULTILINE
 )
+#: torchrun's report lists, under "Failures:", the ranks it tore down itself (SIGTERM) after the root cause;
+#: those are consequences, so only the "Root Cause (first observed failure)" block says why the job ended.
+_TORCHRUN_TORN_DOWN = re.compile(
+    r"^[ \t]*Failures:[ \t]*\n.*?(?=^[ \t]*Root Cause \(first observed failure\):)", re.MULTILINE | re.DOTALL
+)
 #: Signals a supervisor uses to stop its own child (it may escalate SIGTERM to SIGKILL).
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGKILL})
 
@@ -121,7 +126,7 @@ def classify_exit(
             source="exit",
             evidence={**base, "rule": "exit_preempted", "checkpoint_saved": True},
         )
-    text = stderr_tail or ""
+    text = _TORCHRUN_TORN_DOWN.sub("", stderr_tail or "")
     candidates: list[tuple[float, int, dict[str, Any], str | None]] = []
     for order, rule in enumerate(_rules(extra_patterns)):
         match = rule["regex"].search(text)

@@ -91,6 +91,13 @@ PATTERNS: tuple[dict, ...] = (
         "priority": 40,
         "pattern": r"got signal: 15\b|Signal 15 \(SIGTERM\) received by PID",
     },
+    # A rank that saved an emergency checkpoint exits 75 (EXIT_PREEMPTED); torchrun itself then exits 1.
+    {
+        "name": "torchrun_child_preempted",
+        "type": "preemption",
+        "priority": 40,
+        "pattern": r"exitcode\s*:\s*75\b",
+    },
     # A SIGKILLed child makes torchrun print a traceback; that traceback is not the user's bug.
     {
         "name": "torchrun_child_sigkill",

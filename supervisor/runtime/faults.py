@@ -2,6 +2,8 @@
 
 Each fault fires once per lineage: it is recorded as fired (durably) *before* it fires, so the relaunched
 segment does not fire it again. `nan` and `spike` damage the model for real through an optimizer hook.
+Under torchrun a fault fires on every rank, or on one rank with a `:rankN` suffix (`kill@40:rank1` kills
+rank 1 only); each rank keeps its own fired set (`faults-fired.json` on rank 0, `faults-fired.rankN.json`).
 """
 
 from __future__ import annotations
@@ -39,43 +41,58 @@ XID_LINE = "NVRM: Xid (PCI:0000:3b:00): 79, pid={pid}, name=python, GPU has fall
 class Fault:
     kind: str
     step: int
+    rank: int | None = None  # None: every rank
 
     @property
     def key(self) -> str:
-        return f"{self.kind}@{self.step}"
+        return f"{self.kind}@{self.step}" + ("" if self.rank is None else f":rank{self.rank}")
 
 
 def parse_faults(spec: str | None) -> list[Fault]:
-    """Parse `kind@step,...`; raise UserError naming the bad item."""
+    """Parse `kind@step[:rankN],...`; raise UserError naming the bad item."""
     faults = []
     for item in (spec or "").split(","):
         item = item.strip()
         if not item:
             continue
-        kind, sep, step = item.partition("@")
-        if not sep or kind not in KINDS or not step.isdigit() or int(step) < 1:
+        head, _, target = item.partition(":")
+        kind, sep, step = head.partition("@")
+        rank = target.removeprefix("rank")
+        if (
+            not sep
+            or kind not in KINDS
+            or not step.isdigit()
+            or int(step) < 1
+            or (target and (not target.startswith("rank") or not rank.isdigit()))
+        ):
             raise UserError(
-                f"{FAULTS_ENV}: item {item!r}: expected KIND@STEP with KIND one of {', '.join(KINDS)} "
-                "and STEP a positive integer"
+                f"{FAULTS_ENV}: item {item!r}: expected KIND@STEP or KIND@STEP:rankN with KIND one of "
+                f"{', '.join(KINDS)}, STEP a positive integer and N a rank"
             )
-        faults.append(Fault(kind, int(step)))
+        faults.append(Fault(kind, int(step), int(rank) if target else None))
     return faults
+
+
+def fired_path_for(path: Path, rank: int) -> Path:
+    """Where rank `rank` records its fired faults (rank 0 keeps the single-process name)."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 class FaultInjector:
     """Fires the configured faults at their steps, once per lineage (fired set kept in `fired_path`)."""
 
-    def __init__(self, faults: list[Fault], fired_path: Path):
-        self.faults = faults
-        self.fired_path = Path(fired_path)
+    def __init__(self, faults: list[Fault], fired_path: Path, rank: int = 0):
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self.fired_path = fired_path_for(fired_path, rank)
         self.fired: set[str] = (
             set(json.loads(self.fired_path.read_text())) if self.fired_path.exists() else set()
         )
         self._saved_lrs: list[list[float]] | None = None
 
     @classmethod
-    def from_env(cls, fired_path: Path) -> FaultInjector:
-        return cls(parse_faults(os.environ.get(FAULTS_ENV)), fired_path)
+    def from_env(cls, fired_path: Path, rank: int = 0) -> FaultInjector:
+        return cls(parse_faults(os.environ.get(FAULTS_ENV)), fired_path, rank)
 
     def due(self, step: int, kinds: tuple[str, ...]) -> Fault | None:
         for fault in self.faults:

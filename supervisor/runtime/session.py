@@ -21,6 +21,12 @@ from supervisor.errors import CheckpointNotFound
 from supervisor.events import Event
 from supervisor.monitor import DetectorSet, HeartbeatWriter, NoticeWatcher, Point, build_detectors
 from supervisor.runtime.cadence import Cadence
+from supervisor.runtime.distributed import (
+    Distributed,
+    NullHeartbeat,
+    NullMetrics,
+    ReadOnlyCheckpoints,
+)
 from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.metrics import AsyncMetricLogger
 from supervisor.runtime.plan import LaunchPlan, load_plan
@@ -38,24 +44,46 @@ class Session:
 
     Not thread-safe: call it from the training loop's thread. `log()` never blocks on the network;
     checkpoint writes happen in the background (only the host-memory snapshot blocks a step).
+
+    Under torchrun (`dist`, see supervisor.runtime.distributed) rank 0 writes checkpoints, metrics, the
+    heartbeat and events; every rank restores the checkpoint rank 0 names and applies the same plan. The
+    in-process fast path is off there: a rollback would need every rank to agree on the target and read
+    its own state back, so rank 0 reports the anomaly, every rank exits 76, and the supervisor relaunches
+    all ranks with the plan (one restart, but no rank can be left behind on another branch).
     """
 
-    def __init__(self, plan: LaunchPlan, *, config: dict[str, Any] | None = None, run_name: str = "train"):
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        *,
+        config: dict[str, Any] | None = None,
+        run_name: str = "train",
+        dist: Distributed | None = None,
+    ):
         from policies import History
 
         self.plan = plan
+        self.dist = dist
+        writer = dist is None or dist.is_writer
         self.config = {k: (str(v) if isinstance(v, Path) else v) for k, v in (config or {}).items()}
         self.run_name = run_name
         self.exit_code = exitcodes.EXIT_OK
         self.policy = load_session_policy(plan)
         self.history = History.from_dict(plan.history) if plan.history else History()
         self.state = TrainingState()
-        self.manager = CheckpointManager(checkpoint_options(self.policy, plan, self.config), self.state)
+        self.state.rank = dist.rank if dist else 0
+        self.manager: Any = (
+            CheckpointManager(checkpoint_options(self.policy, plan, self.config), self.state)
+            if writer
+            else ReadOnlyCheckpoints(plan.checkpoint_dir, self.state, self.policy.checkpoint.verify)
+        )
         self.step = 0
         self.rollbacks_in_process = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._schedulers: list[Any] = []
         self._loader: Any = None
+        self._rank_parts: list[str] = []  # registered parts that differ per rank (the data loader)
+        self._agreed_stop = False
         self._restart_iter = False
         self._step_metrics: dict[str, float] = {}
         self._stop_signal: int | None = None
@@ -65,19 +93,20 @@ class Session:
         self._event_seq = 0
         workdir = Path(plan.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        self._faults = FaultInjector.from_env(plan.faults_path)
-        self._heartbeat = HeartbeatWriter(plan.heartbeat_path)
+        self._faults = FaultInjector.from_env(plan.faults_path, self.state.rank)
+        self._heartbeat: Any = HeartbeatWriter(plan.heartbeat_path) if writer else NullHeartbeat()
         self._last_beat = 0.0
         specs = [d for d in self.policy.monitor.detectors if d.type != "hang"]
         self._detectors = DetectorSet(build_detectors(specs), source="in_process")
         ck = self.policy.checkpoint
         self._cadence = Cadence(ck.every_steps, ck.every_seconds, ck.adaptive, mtbf_s=_mtbf(self.history))
-        self._client = MlflowClient(tracking_uri=plan.tracking_uri)
-        self.run_id = plan.run_id or self._start_run()
-        self._metrics = AsyncMetricLogger(self._client, self.run_id)
+        # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
+        self._client = MlflowClient(tracking_uri=plan.tracking_uri) if writer else None
+        self.run_id = plan.run_id or (self._start_run() if writer else None)
+        self._metrics: Any = AsyncMetricLogger(self._client, self.run_id) if writer else NullMetrics()
         notice = self.policy.monitor.preemption_notice
         self._notices = None
-        if notice.provider != "none":
+        if notice.provider != "none" and writer:
             self._notices = NoticeWatcher(
                 notice.provider, self._on_notice, endpoint=notice.endpoint, interval=notice.poll_seconds
             ).start()
@@ -91,8 +120,16 @@ class Session:
         policy: Path | None = None,
         run_name: str = "train",
     ) -> Session:
-        """Attach to the supervisor's launch plan (env `ROLLBACK_SUPERVISOR_PLAN`), or run stand-alone."""
-        return cls(load_plan(run_name, workdir, policy), config=config, run_name=run_name)
+        """Attach to the supervisor's launch plan (env `ROLLBACK_SUPERVISOR_PLAN`), or run stand-alone.
+
+        Under torchrun, call `dist.init_process_group()` first; a stand-alone run then uses rank 0's plan.
+        """
+        dist = Distributed.detect()
+        plan = load_plan(run_name, workdir, policy)
+        if dist is not None and not plan.supervised:
+            shared = dist.broadcast_text(json.dumps(plan.to_dict()) if dist.is_writer else None)
+            plan = LaunchPlan.from_dict(json.loads(shared))
+        return cls(plan, config=config, run_name=run_name, dist=dist)
 
     def _start_run(self) -> str:
         exp = self._client.get_experiment_by_name(self.plan.experiment)
@@ -131,6 +168,7 @@ class Session:
                 self._schedulers.append(obj)
             elif hasattr(obj, "skip_batches") or type(obj).__name__ == "StatefulDataLoader":
                 self._loader = obj
+                self._rank_parts.append(name)
 
     # -- restore ------------------------------------------------------------------------------
 
@@ -141,6 +179,23 @@ class Session:
             self.state.step, "checkpoint"
         )  # restoring (maybe downloading) is slow, not stuck
         spec = self.plan.restore
+        info = None
+        if self.dist is None or self.dist.is_writer:
+            try:
+                info = self._restore_as_writer(spec)
+            except BaseException as exc:
+                if self.dist is not None:
+                    self.dist.broadcast_outcome(None, exc)
+                raise
+        if self.dist is not None:
+            chosen = self.dist.broadcast_outcome(info.id if info else None)
+            if not self.dist.is_writer and chosen:
+                info = self.manager.restore(chosen)
+        self.step = self.state.step
+        self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
+        return info
+
+    def _restore_as_writer(self, spec: Any) -> CheckpointInfo | None:
         info = None
         if not spec.from_scratch:
             which = spec.checkpoint_id or "latest"
@@ -156,8 +211,6 @@ class Session:
                 log.info("restored %s (step %d) in %.3fs", info.id, info.step, time.monotonic() - t0)
                 if spec.rollback:
                     self.manager.abandon_after(info)
-        self.step = self.state.step
-        self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
         return info
 
     def _after_restore(self, skip: int, lr_scale: float, info: CheckpointInfo | None, why: str) -> None:
@@ -176,11 +229,26 @@ class Session:
             },
             self.step,
         )
+        if self.dist is not None:
+            self._log_ranks_applied()
         if info is not None or skip or lr_scale != 1.0:
             log.info(
                 "%s: resumed at step %d from %s, skipped %d batches, lr x%g",
                 why, self.step, info.id if info else "scratch", skip, lr_scale,
             )  # fmt: skip
+
+    def _log_ranks_applied(self) -> None:
+        """What every rank actually has after the restore (LR, batches skipped), logged by rank 0 per rank."""
+        lr = self._optimizers[0].param_groups[0]["lr"] if self._optimizers else float("nan")
+        skipped = getattr(self._loader, "batches_skipped", 0)
+        rows = self.dist.gather_values([float(lr), float(skipped)])
+        metrics = {}
+        for rank, (rank_lr, rank_skipped) in enumerate(rows):
+            metrics[f"rollback.rank{rank}.lr"] = rank_lr
+            metrics[f"rollback.rank{rank}.batches_skipped"] = rank_skipped
+        self._metrics.log(metrics, self.step)
+        if len({row[0] for row in rows}) > 1:
+            log.error("ranks disagree on the learning rate after the restore: %s", [r[0] for r in rows])
 
     def _skip(self, n: int) -> None:
         if self._loader is None or not hasattr(self._loader, "skip_batches"):
@@ -197,7 +265,7 @@ class Session:
         if not self._restored:
             self.restore()
         iterator = None
-        while self.step < max_steps and self._stop_signal is None:
+        while self.step < max_steps and not self._stopping():
             if iterator is None or self._restart_iter:
                 iterator, self._restart_iter = iter(loader), False
             try:
@@ -212,7 +280,7 @@ class Session:
             yield self.step, batch
             self.state.samples_seen += _batch_len(batch)
             self._after_step(max_steps)
-        if self._stop_signal is not None:
+        if self._stopping():
             self._emergency_stop()
         elif self.exit_code == exitcodes.EXIT_OK:
             self._save(self.step, force=True)
@@ -237,17 +305,45 @@ class Session:
                 # Nobody would act on what we do next: save and stop; the next supervisor resumes us.
                 self._stop_signal, self._stop_reason = signal.SIGTERM, "the supervisor process vanished"
         wall = time.time()
-        events = [
+        watched = self._step_metrics if self.dist is None or self.dist.is_writer else {}
+        events = [  # under DDP only rank 0's metrics are watched: they are what MLflow and the supervisor see
             e
-            for k, v in self._step_metrics.items()
+            for k, v in watched.items()
             for e in self._detectors.observe(Point(k, self.step, float(v), wall, self._detectors.segment))
         ]
-        if events:
+        if events and self.dist is None:
             self._handle_anomaly(events[0])
             return
         self._faults.after_step(self.step)
-        if self._stop_signal is None and self.step < max_steps and self._cadence.due(self.step, now):
+        due = self._stop_signal is None and self.step < max_steps and self._cadence.due(self.step, now)
+        if self.dist is not None:
+            due = self._agree(events, due)
+        if due:
             self._save(self.step)
+
+    def _stopping(self) -> bool:
+        """Whether the loop stops now; under DDP only what every rank agreed on counts."""
+        return self._agreed_stop if self.dist is not None else self._stop_signal is not None
+
+    def _agree(self, events: list[Event], due: bool) -> bool:
+        """One all_reduce per step: stop (1 = save first, 2 = now), anomaly and save, the same on every rank."""
+        stop = 0 if self._stop_signal is None else 2 if self._stop_signal == signal.SIGUSR2 else 1
+        anomaly, stop, due_any = self.dist.agree(int(bool(events)), stop, int(due))
+        if anomaly:
+            for event in events:  # all of them, so the supervisor's monitor finds each one reported
+                log.warning(
+                    "anomaly under DDP: %s; every rank stops for the supervisor to decide", event.reason
+                )
+                self._report(event, None, handled=False)
+            self._stop_signal, self._stop_reason = signal.SIGUSR2, "anomaly reported by rank 0"
+            self.exit_code = exitcodes.EXIT_ANOMALY
+            self._agreed_stop = True
+        elif stop:
+            if self._stop_signal is None or stop == 2:
+                self._stop_signal = signal.SIGUSR2 if stop == 2 else signal.SIGTERM
+                self._stop_reason = self._stop_reason or "another rank was asked to stop"
+            self._agreed_stop = True
+        return bool(due_any) and not self._agreed_stop
 
     def _save(self, step: int, *, force: bool = False) -> None:
         self._heartbeat.beat(step, "checkpoint")
@@ -255,7 +351,12 @@ class Session:
         metrics = {k: float(v) for k, v in self._step_metrics.items()}
         # A checkpoint implies its metrics are recorded: after a SIGKILL nothing before it is missing.
         self._metrics.flush(timeout=10.0)
-        self.manager.save(step, metrics=metrics, force=force)
+        if self.dist is not None:  # every rank takes part; rank 0 stores each rank's share under ranks.<r>
+            self.state.rank_states = self.dist.gather_state(self.state.rank_state_dict(self._rank_parts))
+        try:
+            self.manager.save(step, metrics=metrics, force=force)
+        finally:
+            self.state.rank_states = None
         self._cadence.observe_save(time.monotonic() - t0)
         self._cadence.saved(step, time.monotonic())
         self._heartbeat.beat(step, "train")
@@ -343,11 +444,13 @@ class Session:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
         if exc_type is not None and self.exit_code in (exitcodes.EXIT_OK,):
             self.exit_code = exitcodes.EXIT_FAILED
-        self.close()
+        try:
+            self.close()  # a SIGTERM now (torchrun tearing ranks down) must not cut a pending save short
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
 
     def close(self) -> None:
         if self._notices is not None:
@@ -356,7 +459,7 @@ class Session:
             self.manager.close()
         finally:
             self._metrics.close()
-            if not self.plan.supervised:
+            if not self.plan.supervised and self.run_id is not None:
                 status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
                 self._client.set_terminated(self.run_id, status=status)
         log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)

@@ -1,0 +1,1 @@
+"""End-to-end benchmarks on the example workload: `bench rollback` and `bench goodput`."""

@@ -1,0 +1,235 @@
+"""Child processes of `bench rollback`, timed inside the example's real Session (a subclass adds clocks only).
+
+`inprocess`: runs examples/charlm.py's own training loop. The fault drill poisons the weights (`nan@K`); the
+loss of the next step is NaN, the in-process detector fires, the policy says rollback, and
+Session._handle_anomaly restores from the memory ring. Measured per anomaly: from entering _handle_anomaly
+(the detector has just fired) to the end of the first resumed step. After the last anomaly's resumed step
+the run stops (no final checkpoint) and a plain `torch.save` of the same state is written for the naive
+baseline.
+
+`relaunch`: a fresh process on a plan naming the checkpoint, as the supervisor would start it; wall-clock
+marks at import, build, session set-up, restore and the first step, then it stops.
+
+    python -m benchmarks.rollback_child inprocess --workdir W --size 100M --anomalies 3 --out W/inprocess.json
+    python -m benchmarks.rollback_child relaunch --out W/relaunch-0.json -- [charlm args]   # plan in env
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+#: Checkpoint every 2 steps; anomaly i poisons step 3 + 2i, is seen at 4 + 2i and rolls back to 2 + 2i.
+POLICY = """\
+version: 1
+name: bench-rollback
+checkpoint: {every_steps: 2, keep_last: 3, async: true, memory_slots: 2, storage: ./checkpoints, verify: full}
+monitor:
+  poll_seconds: 1
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+rules:
+  - when: [non_finite]
+    action: rollback
+    target: {select: latest}
+limits:
+  max_rollbacks: 1000
+  max_restarts: 1000
+  backoff: {initial_seconds: 0, max_seconds: 0, multiplier: 1, jitter: false}
+  escalation: null
+"""
+STEPS = 1000  # never reached: the runs stop after the measured step
+
+
+def fault_spec(anomalies: int) -> str:
+    """`nan@3,nan@5,...`: each fault fires once, after the rollback that undid the previous one."""
+    return ",".join(f"nan@{3 + 2 * i}" for i in range(anomalies))
+
+
+def charlm_args(size: str, batch_size: int, threads: int | None) -> list[str]:
+    """The example's arguments shared by the in-process run and the relaunch (same config hash)."""
+    args = ["--size", size, "--batch-size", str(batch_size), "--steps", str(STEPS), "--eval-every", "1000000"]
+    return args + (["--threads", str(threads)] if threads else [])
+
+
+def write_plan(workdir: Path, *, run_id: str | None = None, checkpoint_id: str | None = None) -> Path:
+    """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one."""
+    from supervisor.runtime.plan import LaunchPlan, RestoreSpec
+
+    policy = workdir / "policy.yaml"
+    if not policy.exists():
+        policy.write_text(POLICY)
+    plan = LaunchPlan(
+        lineage="bench-rollback",
+        workdir=str(workdir),
+        checkpoint_dir=str(workdir / "checkpoints"),
+        tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
+        run_id=run_id,
+        policy_path=str(policy),
+        restore=RestoreSpec(checkpoint_id=checkpoint_id),
+    )
+    return plan.write(workdir / ("plan.json" if checkpoint_id is None else "plan-relaunch.json"))
+
+
+def timed_session(base: type, anomalies: int) -> type:
+    """The example's Session plus timestamps; stops after the first step that follows the last rollback."""
+
+    class TimedSession(base):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.bench: dict[str, Any] = {"steps_s": [], "anomalies": [], "registered": {}}
+            self._prev_end: float | None = None
+            self._resume: tuple[float, float] | None = None
+
+        def register(self, **stateful: Any) -> None:
+            self.bench["registered"].update(stateful)
+            super().register(**stateful)
+
+        def _handle_anomaly(self, event: Any) -> None:
+            detected = time.monotonic()
+            super()._handle_anomaly(event)
+            self._resume = (detected, time.monotonic())
+
+        def _after_step(self, max_steps: int) -> None:
+            done = time.monotonic()
+            if self._resume is not None:
+                detected, restored = self._resume
+                self._resume = None
+                self.bench["anomalies"].append(
+                    {"total_s": done - detected, "handler_s": restored - detected, "step_s": done - restored}
+                )
+                if len(self.bench["anomalies"]) >= anomalies:
+                    self._stop_signal, self._stop_reason = signal.SIGUSR2, "benchmark done"
+                    return
+            elif self._prev_end is not None and self.step > 1:
+                self.bench["steps_s"].append(done - self._prev_end)
+            super()._after_step(max_steps)
+            self._prev_end = time.monotonic()
+
+    return TimedSession
+
+
+def run(workdir: Path, size: str, batch_size: int, threads: int | None, anomalies: int) -> dict[str, Any]:
+    """Train until `anomalies` in-process rollbacks are done; returns the timings and what was restored."""
+    import torch
+
+    from benchmarks.common import BenchRunError, load_charlm
+    from supervisor.exitcodes import EXIT_STOPPED
+    from supervisor.runtime.faults import FAULTS_ENV
+    from supervisor.runtime.plan import PLAN_ENV
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.environ[PLAN_ENV] = str(write_plan(workdir))
+    os.environ[FAULTS_ENV] = fault_spec(anomalies)
+    charlm = load_charlm()
+    sessions: list[Any] = []
+    base = charlm.Session
+
+    class Recorder(timed_session(base, anomalies)):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            sessions.append(self)
+
+    charlm.Session = Recorder
+    try:
+        code = charlm.main(charlm_args(size, batch_size, threads))
+    finally:
+        charlm.Session = base
+    sess = sessions[0]
+    reports = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines() if line]
+    if code != EXIT_STOPPED or len(sess.bench["anomalies"]) != anomalies or len(reports) != anomalies:
+        raise BenchRunError(
+            f"in-process run: expected {anomalies} in-process rollbacks and exit 3 (stopped), got "
+            f"{len(reports)} reported, {len(sess.bench['anomalies'])} timed, exit {code}; see {workdir}"
+        )
+    for timing, report in zip(sess.bench["anomalies"], reports, strict=True):
+        timing.update(
+            restore_s=report["restore_s"],
+            tier=report["tier"],
+            target=report["decision"]["target_id"],
+            target_step=report["decision"]["target_step"],
+            event=report["event"]["type"],
+        )
+    parts = sess.bench["registered"]
+    naive = workdir / "naive.pt"
+    state = {k: parts[k].state_dict() for k in ("model", "optimizer", "scheduler")}
+    torch.save(state, naive)
+    last = sess.bench["anomalies"][-1]
+    return {
+        "anomalies": sess.bench["anomalies"],
+        "steps_s": sess.bench["steps_s"],
+        "run_id": sess.run_id,
+        "checkpoint_id": last["target"],
+        "checkpoint_step": last["target_step"],
+        "naive_path": str(naive),
+        "naive_bytes": naive.stat().st_size,
+        "params": sum(p.numel() for p in parts["model"].parameters()),
+        "pid": os.getpid(),
+    }
+
+
+def relaunch(out: Path, charlm_argv: list[str]) -> None:
+    """Run the example on the plan in the environment until its first step is done; write the marks."""
+    from benchmarks.common import load_charlm
+
+    charlm = load_charlm()
+    marks = {"started": STARTED, "imported": time.time()}
+    build = charlm.build
+
+    def timed_build(args: Any, *rest: Any) -> Any:
+        parts = build(args, *rest)
+        marks["built"] = time.time()
+        return parts
+
+    class Probe(charlm.Session):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            marks["session"] = time.time()
+
+        def restore(self) -> Any:
+            info = super().restore()
+            marks["restored"], marks["restored_step"] = time.time(), self.step
+            return info
+
+        def _after_step(self, max_steps: int) -> None:
+            marks["done"], marks["step"] = time.time(), self.step
+            self._stop_signal, self._stop_reason = signal.SIGUSR2, "benchmark done"
+
+    charlm.build, charlm.Session = timed_build, Probe
+    charlm.main(charlm_argv)
+    out.write_text(json.dumps(marks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    a_in = sub.add_parser("inprocess")
+    a_in.add_argument("--workdir", type=Path, required=True)
+    a_in.add_argument("--size", default="100M")
+    a_in.add_argument("--batch-size", type=int, default=1)
+    a_in.add_argument("--threads", type=int, default=None)
+    a_in.add_argument("--anomalies", type=int, default=3)
+    a_in.add_argument("--out", type=Path, required=True)
+    a_re = sub.add_parser("relaunch")
+    a_re.add_argument("--out", type=Path, required=True)
+    a_re.add_argument("charlm_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    if a.mode == "relaunch":
+        relaunch(a.out, [x for x in a.charlm_args if x != "--"])
+        return 0
+    result = run(a.workdir.resolve(), a.size, a.batch_size, a.threads, a.anomalies)
+    a.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Supervision under torchrun (DDP): one writer, collective agreement, per-rank state in rank 0's checkpoint.
+
+Rank 0 alone writes checkpoints, logs to MLflow, beats the heartbeat and reports events; every other rank
+restores read-only the checkpoint rank 0 names. What differs per rank (every RNG stream, the data position)
+is gathered to rank 0 as uint8 tensors (JSON skeleton + safetensors bytes, never pickle) and stored under
+`ranks.<rank>.*`, so each rank gets its own stream back. Any choice one rank makes that the others must
+follow (stop, save, anomaly) is agreed by one `all_reduce(MAX)` per step on a dedicated gloo group, so no
+rank is ever left waiting in a collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from supervisor.checkpoint.catalog import open_store
+from supervisor.checkpoint.flatten import flatten, unflatten
+from supervisor.checkpoint.options import CheckpointInfo
+from supervisor.checkpoint.restore import restore_local
+from supervisor.errors import CheckpointError, UserError
+
+if TYPE_CHECKING:
+    from supervisor.state import TrainingState
+
+log = logging.getLogger("rollback_supervisor.distributed")
+_HEADER = struct.Struct("<Q")
+_ERROR = "\0error:"
+
+
+class DistributedSetupError(UserError):
+    """torchrun started the process but no process group was initialized before the session attached."""
+
+
+@dataclass
+class Distributed:
+    """This process's place in a multi-process job, and the collectives the session needs."""
+
+    rank: int
+    world_size: int
+    group: Any
+
+    @classmethod
+    def detect(cls) -> Distributed | None:
+        """The job this process is part of, or None for a single process (world size 1)."""
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if not (dist.is_available() and dist.is_initialized()):
+            if world > 1:
+                raise DistributedSetupError(
+                    f"WORLD_SIZE={world} (torchrun), but torch.distributed is not initialized: call "
+                    "dist.init_process_group() before Session.attach()"
+                )
+            return None
+        if dist.get_world_size() == 1:
+            return None
+        # Our own group: the session's collectives never interleave with DDP's on the default group.
+        return cls(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo"))
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, *flags: int) -> tuple[int, ...]:
+        """Element-wise maximum of `flags` over all ranks (every rank gets the same answer)."""
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(int(v) for v in t.tolist())
+
+    def gather_values(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's `values` (same length everywhere), indexed by rank."""
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def broadcast_text(self, text: str | None) -> str:
+        """Rank 0's `text` on every rank (others pass None)."""
+        data = (text or "").encode() if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.group)
+        n = int(size.item())
+        if n == 0:
+            return ""
+        buf = _as_tensor(data) if self.rank == 0 else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.group)
+        return bytes(buf.numpy()).decode()
+
+    def broadcast_outcome(self, value: str | None, error: BaseException | None = None) -> str | None:
+        """Rank 0's result (`value`) or failure on every rank; a failure on rank 0 is raised everywhere else."""
+        mine = f"{_ERROR}{type(error).__name__}: {error}" if error is not None else value
+        text = self.broadcast_text(mine if self.rank == 0 else None)
+        if text.startswith(_ERROR) and self.rank != 0:
+            raise CheckpointError(f"rank 0 failed, so rank {self.rank} stops too: {text[len(_ERROR) :]}")
+        return text or None
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's bytes on rank 0 (None elsewhere): sizes to all, then one padded gather to rank 0."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = _as_tensor(data)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(mine, out, dst=0, group=self.group)
+        if out is None:
+            return None
+        return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
+    def gather_state(self, nested: dict[str, Any]) -> dict[str, Any] | None:
+        """Every rank's nested state on rank 0 as {"<rank>": nested} (None elsewhere)."""
+        packed = self.gather_bytes(pack_state(nested))
+        return None if packed is None else {str(r): unpack_state(b) for r, b in enumerate(packed)}
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def pack_state(nested: dict[str, Any]) -> bytes:
+    """A nested state as bytes: 8-byte length, JSON skeleton, safetensors tensors (no pickle)."""
+    skeleton, tensors = flatten(nested)
+    head = json.dumps(skeleton).encode()
+    body = st_save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+    return _HEADER.pack(len(head)) + head + body
+
+
+def unpack_state(data: bytes) -> dict[str, Any]:
+    """The inverse of pack_state."""
+    (n,) = _HEADER.unpack_from(data)
+    skeleton = json.loads(data[_HEADER.size : _HEADER.size + n])
+    return unflatten(skeleton, st_load(data[_HEADER.size + n :]))
+
+
+class ReadOnlyCheckpoints:
+    """The checkpoint store as a non-zero rank sees it: restores what rank 0 names; never writes or deletes."""
+
+    def __init__(self, directory: str | os.PathLike[str], state: TrainingState, verify: str = "full"):
+        self.directory, self.state, self.verify = Path(directory), state, verify
+
+    def restore(self, checkpoint_id: str) -> CheckpointInfo:
+        catalog = open_store(self.directory)
+        info = catalog.get(checkpoint_id)
+        restore_local(catalog, catalog.manifest(checkpoint_id), self.state, None, self.verify)
+        log.info("rank restored checkpoint %s (read-only)", checkpoint_id)
+        return info
+
+    def save(self, step: int, **_: Any) -> None:
+        """Rank 0 writes; this rank only took part in gathering its state."""
+
+    def wait(self) -> None:
+        """Nothing is ever pending on a read-only rank."""
+
+    def close(self) -> None:
+        """Nothing to release: a read-only rank holds no lock."""
+
+
+class NullMetrics:
+    """The metric logger of a rank that does not log (only rank 0 talks to MLflow)."""
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        pass
+
+
+class NullHeartbeat:
+    """The heartbeat of a rank that does not beat (rank 0's stops when any rank stalls a collective)."""
+
+    def beat(self, step: int, phase: str = "train") -> None:
+        pass
