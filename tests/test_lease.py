@@ -92,17 +92,11 @@ def test_lease_wait_gives_up_at_its_deadline(lease_root: str):
     assert b.holder()["owner"] == A
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_a_stale_read_of_no_holder_cannot_steal_a_held_lease(backend: str, request, tmp_path: Path):
+def test_a_stale_read_of_no_holder_cannot_steal_a_held_lease(lease_root: str):
     """b checked for a holder just before a took the lease (the check-then-write race): b must not win."""
-    if backend == "s3":
-        request.getfixturevalue("s3_server")
-        root = f"s3://rollback-tests/leases/{uuid.uuid4().hex[:8]}"
-    else:
-        root = str(tmp_path / "lineage")
     clock = FakeClock()
-    a = Lease(root, ttl_seconds=30, owner=A, clock=clock)
-    b = Lease(root, ttl_seconds=30, owner=B, clock=clock)
+    a = Lease(lease_root, ttl_seconds=30, owner=A, clock=clock)
+    b = Lease(lease_root, ttl_seconds=30, owner=B, clock=clock)
     a.acquire()
     real_holder, reads = b.holder, []
 
@@ -119,20 +113,14 @@ def test_a_stale_read_of_no_holder_cannot_steal_a_held_lease(backend: str, reque
     a.renew()  # a still holds the lease it took
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_two_supervisors_taking_over_one_expired_lease_cannot_both_win(backend: str, request, tmp_path: Path):
+def test_two_supervisors_taking_over_one_expired_lease_cannot_both_win(lease_root: str):
     """b and c both judged a's lease expired from the same read: exactly one take-over write succeeds."""
-    if backend == "s3":
-        request.getfixturevalue("s3_server")
-        root = f"s3://rollback-tests/leases/{uuid.uuid4().hex[:8]}"
-    else:
-        root = str(tmp_path / "lineage")
     clock = FakeClock()
-    a = Lease(root, ttl_seconds=30, owner=A, clock=clock)
+    a = Lease(lease_root, ttl_seconds=30, owner=A, clock=clock)
     a.acquire()
     clock.now += 31
-    b = Lease(root, ttl_seconds=30, owner=B, clock=clock)
-    c = Lease(root, ttl_seconds=30, owner="host-c:303:cccc", clock=clock)
+    b = Lease(lease_root, ttl_seconds=30, owner=B, clock=clock)
+    c = Lease(lease_root, ttl_seconds=30, owner="host-c:303:cccc", clock=clock)
     seen = b.holder()
     assert seen == c.holder() and seen["owner"] == A
     won = [b._take(seen), c._take(seen)]

@@ -261,6 +261,27 @@ with open(plan.events_path, "a") as fh:
 """
 
 
+def fake_segment_on(machine: Path, lineage: str, tracking_uri: str | None) -> dict:
+    """One supervised segment of the stand-in above on `machine` (a work directory); the finished record."""
+    from supervisor.orchestrator import LineageRunner, RunOptions
+
+    options = RunOptions(
+        command=(sys.executable, "-c", REPORTS_ONE_IN_PROCESS_ROLLBACK),
+        policy_path=str(S3_POLICY),
+        lineage=lineage,
+        workdir=machine,
+        tracking_uri=tracking_uri,
+        stop_grace_seconds=5,
+    )
+    runner = LineageRunner(options, sleep=lambda s: None)
+    runner.open()
+    try:
+        assert runner.conclude(runner.run_segment()) is None
+        return runner.finish("finished", "done")
+    finally:
+        runner.close()
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_in_process_decisions_survive_a_move_to_another_machine(
@@ -268,26 +289,11 @@ def test_in_process_decisions_survive_a_move_to_another_machine(
     tmp_path: Path,
 ):
     from policies import History
-    from supervisor.orchestrator import LineageRunner, RunOptions
 
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"  # shared by both machines, like a tracking server
 
     def one_segment_on(machine: Path) -> dict:
-        options = RunOptions(
-            command=(sys.executable, "-c", REPORTS_ONE_IN_PROCESS_ROLLBACK),
-            policy_path=str(S3_POLICY),
-            lineage="moving",
-            workdir=machine,
-            tracking_uri=tracking,
-            stop_grace_seconds=5,
-        )
-        runner = LineageRunner(options, sleep=lambda s: None)
-        runner.open()
-        try:
-            assert runner.conclude(runner.run_segment()) is None
-            return runner.finish("finished", "done")
-        finally:
-            runner.close()
+        return fake_segment_on(machine, "moving", tracking)
 
     first = one_segment_on(tmp_path / "machine-a")
     assert [len(s["in_process"]) for s in first["segments"]] == [1]
@@ -307,24 +313,10 @@ def test_a_lineage_on_a_machine_without_its_mlflow_store_logs_to_a_new_run_here(
     """No --tracking-uri: machine a's local sqlite store is gone with machine a, so b opens a run of its own."""
     from mlflow.tracking import MlflowClient
 
-    from supervisor.orchestrator import LineageRunner, RunOptions
-
     def one_segment_on(machine: Path) -> dict:
-        options = RunOptions(
-            command=(sys.executable, "-c", REPORTS_ONE_IN_PROCESS_ROLLBACK),
-            policy_path=str(S3_POLICY),
-            lineage="moved-tracking",
-            workdir=machine,
-            stop_grace_seconds=5,
-        )
-        runner = LineageRunner(options, sleep=lambda s: None)
-        record = runner.open()
+        record = fake_segment_on(machine, "moved-tracking", None)
         assert record["storage"]["checkpoints"].startswith(str(machine))  # this machine's paths, not a's
-        try:
-            assert runner.conclude(runner.run_segment()) is None
-            return runner.finish("finished", "done")
-        finally:
-            runner.close()
+        return record
 
     first = one_segment_on(tmp_path / "machine-a")
     a_store = f"sqlite:///{(tmp_path / 'machine-a' / 'mlflow.db').resolve()}"
