@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = charlm.parse_args(["--size", a.size, "--batch-size", str(a.batch_size), "--steps", str(a.steps)])
     if a.threads:
         torch.set_num_threads(a.threads)
-    torch.use_deterministic_algorithms(True)
+    charlm.deterministic()  # the same setup as the supervised example
     model, opt, sched, loader, _ = charlm.build(args)
     built = time.time()
     state = torch.load(a.state, weights_only=True)

@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size preset")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--dropout", type=float, default=0.1)
@@ -163,11 +163,25 @@ def evaluate(model: nn.Module, batches) -> float:
     return sum(losses) / len(losses)
 
 
+def deterministic() -> None:
+    """Deterministic kernels, without the ~3 s `torch.use_deterministic_algorithms` adds to every start.
+
+    The public call also sets torch.compile's (inductor's) flag, which imports inductor and dynamo. This
+    workload is never compiled, so it sets ATen's flag alone; a compiled script should call the public one.
+    """
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if setter is None:
+        torch.use_deterministic_algorithms(True)
+    else:
+        setter(True)
+    assert torch.are_deterministic_algorithms_enabled()
+
+
 def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimizer]:
     """Train under a supervisor session; returns the exit code, the model and the optimizer."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    deterministic()
     rank, world_size = setup_distributed()
     model, opt, sched, loader, val_batches = build(args, rank, world_size)
     forward = model

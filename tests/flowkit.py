@@ -14,6 +14,9 @@ from tests.conftest import REPO
 
 CHARLM = str(REPO / "examples" / "charlm.py")
 FAST_POLICY = REPO / "tests" / "data" / "policies" / "fast.yaml"
+#: The example on a 30 KB slice of its corpus at batch 8: an epoch is 52 steps and a step ~4x cheaper than the
+#: default, for tests that need epoch boundaries or many restarts but not a realistic loss curve.
+SMALL = ["--batch-size", "8", "--data", str(REPO / "tests" / "data" / "corpus-30k.txt")]
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -52,14 +55,16 @@ def live_series(result: dict[str, Any], key: str) -> dict[int, float]:
     return {step: value for step, value, _ in live}
 
 
-def load_final_state(checkpoint_dir: Path, checkpoint_id: str, steps: int) -> dict[str, Any]:
-    """Restore a checkpoint into a freshly built example model; returns model and optimizer state."""
+def load_final_state(
+    checkpoint_dir: Path, checkpoint_id: str, steps: int, extra: list[str] | tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Restore a checkpoint into a freshly built example model (built with `extra` args); model and optimizer."""
     import charlm
 
     from supervisor.checkpoint import CheckpointManager, CheckpointOptions
     from supervisor.state import TrainingState
 
-    args = charlm.parse_args(["--steps", str(steps), "--eval-every", "20"])
+    args = charlm.parse_args(["--steps", str(steps), "--eval-every", "20", *extra])
     model, opt, sched, loader, _ = charlm.build(args)
     state = TrainingState()
     for name, obj in (("model", model), ("optimizer", opt), ("scheduler", sched), ("data", loader)):

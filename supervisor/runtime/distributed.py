@@ -177,6 +177,9 @@ class NullMetrics:
     def close(self, timeout: float = 30.0) -> None:
         pass
 
+    def connection(self, timeout: float = 0.0) -> tuple[None, None]:
+        return None, None
+
 
 class NullHeartbeat:
     """The heartbeat of a rank that does not beat (rank 0's stops when any rank stalls a collective)."""

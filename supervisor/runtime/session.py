@@ -11,9 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import mlflow
 import torch
-from mlflow.tracking import MlflowClient
 
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, CheckpointManager
@@ -101,9 +99,8 @@ class Session:
         ck = self.policy.checkpoint
         self._cadence = Cadence(ck.every_steps, ck.every_seconds, ck.adaptive, mtbf_s=_mtbf(self.history))
         # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
-        self._client = MlflowClient(tracking_uri=plan.tracking_uri) if writer else None
-        self.run_id = plan.run_id or (self._start_run() if writer else None)
-        self._metrics: Any = AsyncMetricLogger(self._client, self.run_id) if writer else NullMetrics()
+        # The store is opened on the logger's thread (importing MLflow alone takes seconds).
+        self._metrics: Any = AsyncMetricLogger(self._connect_tracking) if writer else NullMetrics()
         notice = self.policy.monitor.preemption_notice
         self._notices = None
         if notice.provider != "none" and writer:
@@ -131,23 +128,37 @@ class Session:
             plan = LaunchPlan.from_dict(json.loads(shared))
         return cls(plan, config=config, run_name=run_name, dist=dist)
 
-    def _start_run(self) -> str:
-        exp = self._client.get_experiment_by_name(self.plan.experiment)
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run this segment logs to (waits for the store to open when the run is created here)."""
+        if self.plan.run_id:
+            return self.plan.run_id
+        return self._metrics.connection()[1]
+
+    def _connect_tracking(self) -> tuple[Any, str]:
+        """Runs on the metric logger's thread: open the store; stand-alone, also create this run."""
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.plan.tracking_uri)
+        return client, self.plan.run_id or self._start_run(client)
+
+    def _start_run(self, client: Any) -> str:
+        from mlflow.entities import Param
+
+        exp = client.get_experiment_by_name(self.plan.experiment)
         if exp is None:
             from supervisor.orchestrator import artifact_location
 
             root = Path(self.plan.tracking_uri.removeprefix("sqlite:///")).parent
-            exp_id = self._client.create_experiment(
+            exp_id = client.create_experiment(
                 self.plan.experiment, artifact_location(self.plan.tracking_uri, root)
             )
         else:
             exp_id = exp.experiment_id
-        run = self._client.create_run(
-            exp_id, run_name=self.run_name, tags={"rollback.lineage": self.plan.lineage}
-        )
-        params = [mlflow.entities.Param(k, str(v)[:500]) for k, v in self.config.items()]
+        run = client.create_run(exp_id, run_name=self.run_name, tags={"rollback.lineage": self.plan.lineage})
+        params = [Param(k, str(v)[:500]) for k, v in self.config.items()]
         if params:
-            self._client.log_batch(run.info.run_id, params=params)
+            client.log_batch(run.info.run_id, params=params)
         return run.info.run_id
 
     # -- registration -------------------------------------------------------------------------
@@ -459,9 +470,11 @@ class Session:
             self.manager.close()
         finally:
             self._metrics.close()
-            if not self.plan.supervised and self.run_id is not None:
-                status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
-                self._client.set_terminated(self.run_id, status=status)
+            if not self.plan.supervised:
+                client, run_id = self._metrics.connection(timeout=0)
+                if client is not None and run_id is not None:
+                    status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
+                    client.set_terminated(run_id, status=status)
         log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)
 
 
