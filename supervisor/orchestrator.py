@@ -214,6 +214,7 @@ class LineageRunner:
             restore=RestoreSpec(**self.record["next_restore"]),
             history=self.history.to_dict(),
             supervisor_pid=os.getpid(),
+            lineage_started=self.record.get("created"),
         )
 
     def run_segment(self, on_line: Callable[[str, str], None] | None = None) -> SegmentResult:

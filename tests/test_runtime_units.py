@@ -10,7 +10,7 @@ import torch
 
 from supervisor.errors import UserError
 from supervisor.layout import LineageLayout, check_lineage_name
-from supervisor.runtime.cadence import Cadence, young_daly_interval
+from supervisor.runtime.cadence import MIN_OBSERVED_S, Cadence, estimate_mtbf, young_daly_interval
 from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 from supervisor.runtime.wiring import apply_lr_scale
 
@@ -36,20 +36,57 @@ def test_time_cadence_fires_after_every_seconds():
 
 def test_young_daly_interval_and_adaptive_steps():
     assert young_daly_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
-    cadence = Cadence(every_steps=1000, adaptive=True, mtbf_s=3600.0)
+    # One failure in an hour of lineage: MTBF 3600 s.
+    cadence = Cadence(every_steps=1000, adaptive=True, failures=1, observed_s=3600.0)
     cadence.start(0, 0.0)
     for t in range(11):  # steps of 0.5 s
         cadence.observe_step(t * 0.5)
     cadence.observe_save(2.0)
     # sqrt(2 * 2 * 3600) = 120 s at 0.5 s a step = 240 steps, under the every_steps cap.
-    assert cadence.interval_steps() == 240
+    assert cadence.interval_steps(0.0) == 240
     assert not cadence.due(239, 0.0) and cadence.due(240, 0.0)
-    capped = Cadence(every_steps=100, adaptive=True, mtbf_s=3600.0)
+    capped = Cadence(every_steps=100, adaptive=True, failures=1, observed_s=3600.0)
     capped.start(0, 0.0)
     capped.observe_step(0.0)
     capped.observe_step(0.5)
     capped.observe_save(2.0)
-    assert capped.interval_steps() == 100
+    assert capped.interval_steps(0.0) == 100
+
+
+@pytest.mark.parametrize(
+    ("observed_s", "failures", "mtbf"),
+    [
+        (0.0, 0, MIN_OBSERVED_S),  # a new lineage: the floor, not "fails every few seconds"
+        (30.0, 0, MIN_OBSERVED_S),
+        (600.0, 0, 600.0),  # ten minutes without a failure: assume at least that
+        (600.0, 1, 600.0),
+        (600.0, 5, 120.0),  # one per two minutes
+        (30.0, 3, MIN_OBSERVED_S / 3),
+    ],
+)
+def test_mtbf_estimate_from_lineage_time_and_failures(observed_s, failures, mtbf):
+    assert estimate_mtbf(observed_s, failures) == pytest.approx(mtbf)
+
+
+def test_adaptive_interval_follows_the_failure_rate_as_the_lineage_ages():
+    def interval(failures: int, observed_s: float, now: float) -> int:
+        c = Cadence(every_steps=10_000, adaptive=True, failures=failures, observed_s=observed_s)
+        c.start(0, 0.0)
+        c.observe_step(0.0)
+        c.observe_step(0.25)  # 0.25 s a step
+        c.observe_save(0.04)
+        return c.interval_steps(now)
+
+    # Five failures in ten minutes: sqrt(2 * 0.04 * 120) = 3.1 s = 12 steps (what the goodput benchmark sees).
+    assert interval(5, 600.0, 0.0) == round(math.sqrt(2 * 0.04 * 120) / 0.25)
+    # The same lineage with no failure: the interval grows with the time it has lasted, this segment included.
+    assert interval(0, 600.0, 0.0) == round(math.sqrt(2 * 0.04 * 600) / 0.25)
+    assert interval(0, 600.0, 1800.0) == round(math.sqrt(2 * 0.04 * 2400) / 0.25)
+    assert interval(0, 600.0, 1800.0) > interval(0, 600.0, 0.0) > interval(5, 600.0, 0.0)
+    # More failures, shorter interval.
+    assert [interval(n, 3600.0, 0.0) for n in (1, 4, 16)] == sorted(
+        [interval(n, 3600.0, 0.0) for n in (1, 4, 16)], reverse=True
+    )
 
 
 def test_layout_local_and_url_storage(tmp_path: Path):
@@ -73,7 +110,7 @@ def test_plan_round_trips_through_json(tmp_path: Path):
     plan = LaunchPlan(
         lineage="l", workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), tracking_uri="sqlite:///x.db",
         restore=RestoreSpec("0000000020-000002", skip_batches=7, lr_scale=0.5, rollback=True),
-        history={"entries": []}, supervisor_pid=123,
+        history={"entries": []}, supervisor_pid=123, lineage_started=1_700_000_000.5,
     )  # fmt: skip
     assert LaunchPlan.read(plan.write(tmp_path / "plan.json")) == plan
 
@@ -95,3 +132,14 @@ def test_lr_scale_survives_the_scheduler():
     sched.step()  # the schedule goes on from the scaled base LR
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1.0 / 3)
     assert sched.state_dict()["base_lrs"] == [0.5]
+
+
+def test_failures_for_the_cadence_count_lost_processes_not_metric_anomalies():
+    from types import SimpleNamespace
+
+    from supervisor.runtime.session import _failures
+
+    kinds = ["spike", "preemption", "non_finite", "hardware_fault", "unknown_exit", "plateau", "hang", "oom"]
+    history = [SimpleNamespace(event=SimpleNamespace(type=k)) for k in kinds]
+    assert _failures(history) == 5
+    assert _failures([]) == 0

@@ -70,6 +70,20 @@ class Distributed:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """Leave together: wait for every rank, then release the session's group.
+
+        A rank that tears gloo down while a peer is still inside its last save or collective can die with
+        SIGABRT ("terminate called without an active exception") after training finished; a finished run would
+        then be classified as a crash.
+        """
+        import datetime
+
+        try:
+            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s))
+        finally:
+            dist.destroy_process_group(self.group)
+
     def agree(self, *flags: int) -> tuple[int, ...]:
         """Element-wise maximum of `flags` over all ranks (every rank gets the same answer)."""
         t = torch.tensor(flags, dtype=torch.int64)

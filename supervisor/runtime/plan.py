@@ -46,6 +46,7 @@ class LaunchPlan:
     history: dict[str, Any] = field(default_factory=dict)
     supervised: bool = True
     supervisor_pid: int | None = None  # the training side stops (emergency checkpoint) if it vanishes
+    lineage_started: float | None = None  # wall-clock time the lineage was created (adaptive cadence)
 
     @property
     def events_path(self) -> Path:

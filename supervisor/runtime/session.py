@@ -16,7 +16,7 @@ import torch
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, CheckpointManager
 from supervisor.errors import CheckpointNotFound
-from supervisor.events import Event
+from supervisor.events import METRIC_EVENTS, Event
 from supervisor.monitor import DetectorSet, HeartbeatWriter, NoticeWatcher, Point, build_detectors
 from supervisor.runtime.cadence import Cadence
 from supervisor.runtime.distributed import (
@@ -97,7 +97,13 @@ class Session:
         specs = [d for d in self.policy.monitor.detectors if d.type != "hang"]
         self._detectors = DetectorSet(build_detectors(specs), source="in_process")
         ck = self.policy.checkpoint
-        self._cadence = Cadence(ck.every_steps, ck.every_seconds, ck.adaptive, mtbf_s=_mtbf(self.history))
+        self._cadence = Cadence(
+            ck.every_steps,
+            ck.every_seconds,
+            ck.adaptive,
+            failures=_failures(self.history),
+            observed_s=max(0.0, time.time() - plan.lineage_started) if plan.lineage_started else 0.0,
+        )
         # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
         # The store is opened on the logger's thread (importing MLflow alone takes seconds).
         self._metrics: Any = AsyncMetricLogger(self._connect_tracking) if writer else NullMetrics()
@@ -475,6 +481,13 @@ class Session:
                 if client is not None and run_id is not None:
                     status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
                     client.set_terminated(run_id, status=status)
+            if self.dist is not None and self.exit_code != exitcodes.EXIT_FAILED:
+                # Every rank got here through the same agreed stop; a failed rank's peers may be stuck in a
+                # collective instead, and torchrun tears them down.
+                try:
+                    self.dist.finish()
+                except Exception as exc:
+                    log.warning("ranks did not leave together: %s", exc)
         log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)
 
 
@@ -493,9 +506,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _mtbf(history: Any) -> float:
-    """Mean time between failures seen in this lineage; one hour until two failures were seen."""
-    times = sorted(e.time for e in history)
-    if len(times) < 2:
-        return 3600.0
-    return max(1.0, (times[-1] - times[0]) / (len(times) - 1))
+def _failures(history: Any) -> int:
+    """Failures that lose the work since the last checkpoint: every event that ended a process, not the
+    metric anomalies (a rollback goes back to a policy-chosen checkpoint whatever the cadence)."""
+    return sum(1 for e in history if e.event.type not in METRIC_EVENTS)
