@@ -97,6 +97,8 @@ def main(
     configs = [Config(n) for n in steps] + (
         [Config(adaptive_cap or max(steps), adaptive=True)] if adaptive else []
     )
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="rbs-bench-goodput-", dir=workdir))
     try:
         results = run(scratch, configs=configs, variants=variants, minutes=minutes, rate_per_min=rate, seed=seed,

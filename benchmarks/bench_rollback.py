@@ -27,6 +27,8 @@ def main(
     check_size(size)
     from benchmarks.rollback import run
 
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="rbs-bench-rollback-", dir=workdir))
     try:
         result = run(scratch, size, reps, batch_size, threads, say=lambda m: typer.echo(m, err=True))

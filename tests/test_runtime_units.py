@@ -143,3 +143,34 @@ def test_failures_for_the_cadence_count_lost_processes_not_metric_anomalies():
     history = [SimpleNamespace(event=SimpleNamespace(type=k)) for k in kinds]
     assert _failures(history) == 5
     assert _failures([]) == 0
+
+
+def test_metric_logger_connects_only_once_started_and_keeps_what_was_logged_before():
+    import threading
+
+    from supervisor.runtime.metrics import AsyncMetricLogger
+
+    opened = threading.Event()
+    sent: list[tuple[str, float, int]] = []
+
+    class Client:
+        def log_batch(self, run_id, metrics, synchronous):
+            sent.extend((m.key, m.value, m.step) for m in metrics)
+
+    def connect():
+        opened.set()
+        return Client(), "run-1"
+
+    logger = AsyncMetricLogger(connect, start=False)
+    logger.log({"loss": 1.5}, step=1)
+    assert not opened.wait(0.3)  # the restore runs now: MLflow is neither imported nor opened
+    logger.start()
+    logger.start()  # idempotent
+    assert logger.flush(timeout=10)
+    assert opened.is_set() and sent == [("loss", 1.5, 1)]
+    logger.close()
+    # Never started explicitly: flushing starts it, so nothing logged is lost.
+    late = AsyncMetricLogger(connect, start=False)
+    late.log({"loss": 2.0}, step=2)
+    late.close()
+    assert sent[-1] == ("loss", 2.0, 2)

@@ -7,11 +7,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import requests
+from typing import TYPE_CHECKING, Any
 
 from supervisor.errors import SupervisorError, UserError
+
+if TYPE_CHECKING:  # requests is imported when a poller is built: the training side rarely needs it
+    import requests
 
 log = logging.getLogger("rollback_supervisor.monitor")
 
@@ -45,6 +46,8 @@ class Notice:
 
 
 def _get(session: requests.Session, url: str, headers: dict[str, str], timeout: float) -> requests.Response:
+    import requests
+
     try:
         return session.get(url, headers=headers, timeout=timeout)
     except requests.RequestException as exc:
@@ -65,6 +68,8 @@ class _Aws:
     def _token_for(self, session: requests.Session, endpoint: str, timeout: float) -> str | None:
         if self._token and time.monotonic() < self._expires:
             return self._token
+        import requests
+
         try:
             resp = session.put(
                 f"{endpoint}/latest/api/token",
@@ -142,6 +147,8 @@ class NoticePoller:
         self.endpoint = (endpoint or DEFAULT_ENDPOINTS[provider]).rstrip("/")
         self.timeout = timeout
         self._impl = _PROVIDERS[provider]()
+        import requests
+
         self._session = requests.Session()
         self._session.trust_env = False  # a proxy must never sit between us and link-local metadata
 

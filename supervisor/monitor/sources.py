@@ -10,8 +10,6 @@ import os
 import sys
 from typing import Protocol
 
-import requests
-
 from supervisor.errors import SupervisorError, UserError
 
 #: A row of history: (step, value, timestamp in ms).
@@ -64,6 +62,9 @@ class HttpHistory:
         self.url = base_url.rstrip("/") + "/api/2.0/mlflow/metrics/get-history"
         self.run_id = run_id
         self.timeout = (connect_timeout, timeout)
+        import requests  # here, not at module level: the training side imports this package
+
+        self._errors = requests.RequestException
         self.session = requests.Session()
         token = os.environ.get("MLFLOW_TRACKING_TOKEN")
         user, password = (
@@ -83,7 +84,7 @@ class HttpHistory:
             params["page_token"] = token
         try:
             resp = self.session.get(self.url, params=params, timeout=self.timeout)
-        except requests.RequestException as exc:
+        except self._errors as exc:
             raise MetricsUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 500 or resp.status_code == 429:
             raise MetricsUnavailable(f"{self.url}: HTTP {resp.status_code} {resp.text[:200]!r}")

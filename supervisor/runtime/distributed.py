@@ -182,6 +182,9 @@ class ReadOnlyCheckpoints:
 class NullMetrics:
     """The metric logger of a rank that does not log (only rank 0 talks to MLflow)."""
 
+    def start(self) -> None:
+        pass
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         pass
 

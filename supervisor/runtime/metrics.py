@@ -1,8 +1,9 @@
 """Asynchronous MLflow metric logging: the training step only enqueues; a thread connects, batches and sends.
 
-Importing MLflow and opening its store cost seconds (the import alone is ~2.5 s here, a fresh sqlite store
-another ~3 s of schema migrations). Both happen on the logger's thread, so they overlap the model build and
-the checkpoint restore instead of delaying the first resumed step.
+Importing MLflow and opening its store cost seconds (the import alone is ~1-2.5 s of CPU here, a fresh sqlite
+store another ~3 s of schema migrations). Both happen on the logger's thread, which the session starts once
+the checkpoint is restored: started earlier, the import competes with the restore for the GIL and the cores
+and delays the first resumed step (measured by `bench rollback`). Points logged before it connects queue up.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class AsyncMetricLogger:
     are dropped with a warning.
     """
 
-    def __init__(self, connect: Connect, *, max_batch: int = 500, interval: float = 0.2):
+    def __init__(self, connect: Connect, *, max_batch: int = 500, interval: float = 0.2, start: bool = True):
         self._connect = connect
         self._client: Any = None
         self._run_id: str | None = None
@@ -40,7 +41,15 @@ class AsyncMetricLogger:
         self._max_batch = max_batch
         self._interval = interval
         self._thread = threading.Thread(target=self._run, name="rbs-metrics", daemon=True)
-        self._thread.start()
+        self._start_lock = threading.Lock()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start connecting and sending (idempotent); every other verb starts it too."""
+        with self._start_lock:
+            if not self._thread.is_alive() and self._thread.ident is None:
+                self._thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -49,11 +58,13 @@ class AsyncMetricLogger:
 
     def connection(self, timeout: float = 120.0) -> tuple[Any, str | None]:
         """`(client, run_id)` once connected; `(None, None)` if connecting failed or timed out."""
+        self.start()
         self._connected.wait(timeout)
         return self._client, self._run_id
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every point queued before this call was sent (or dropped); False on timeout."""
+        self.start()
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout)

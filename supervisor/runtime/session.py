@@ -105,8 +105,11 @@ class Session:
             observed_s=max(0.0, time.time() - plan.lineage_started) if plan.lineage_started else 0.0,
         )
         # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
-        # The store is opened on the logger's thread (importing MLflow alone takes seconds).
-        self._metrics: Any = AsyncMetricLogger(self._connect_tracking) if writer else NullMetrics()
+        # The store is opened on the logger's thread (importing MLflow alone takes seconds), started after the
+        # restore so that it does not compete with it (see supervisor/runtime/metrics.py).
+        self._metrics: Any = (
+            AsyncMetricLogger(self._connect_tracking, start=False) if writer else NullMetrics()
+        )
         notice = self.policy.monitor.preemption_notice
         self._notices = None
         if notice.provider != "none" and writer:
@@ -209,6 +212,7 @@ class Session:
             if not self.dist.is_writer and chosen:
                 info = self.manager.restore(chosen)
         self.step = self.state.step
+        self._metrics.start()
         self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
         return info
 
