@@ -27,6 +27,7 @@ $(STAMP):
 	touch $@
 
 demo: venv
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m supervisor.demo
 
 lint: venv
@@ -34,6 +35,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 test: lint
+	@mkdir -p $(PREFECT_HOME)  # Prefect creates its home without parents, then warns on every start
 	$(BIN)/pytest -q
 
 bench: venv

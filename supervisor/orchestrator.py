@@ -31,7 +31,7 @@ from supervisor.lineage import Lease, LineageStore
 from supervisor.monitor import HeartbeatReader, Monitor, classify_exit
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.runtime.wiring import to_records
-from supervisor.tracking import adopt_tracking, default_tracking_uri, start_run
+from supervisor.tracking import adopt_tracking, bound_http_requests, default_tracking_uri, start_run
 from supervisor.tracking import artifact_location as artifact_location  # re-exported for the training side
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
@@ -84,6 +84,7 @@ class LineageRunner:
         )
         self.lease = Lease(self.layout.durable, ttl_seconds=options.lease_ttl_seconds, clock=clock)
         self.tracking_uri = options.tracking_uri or default_tracking_uri(Path(options.workdir))
+        bound_http_requests()
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.record: dict[str, Any] = {}
         self.history = History()

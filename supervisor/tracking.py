@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,18 @@ from urllib.parse import urlparse
 from mlflow.tracking import MlflowClient
 
 log = logging.getLogger("rollback_supervisor.tracking")
+
+#: MLflow's HTTP retry defaults make one call to a dead server take ~4 minutes (7 retries, backoff up to
+#: 120 s; FACTS.md). The supervisor must keep deciding while the tracking server is down, so its calls give up
+#: within seconds (3 retries: 2 + 4 + 8 s of backoff) and our own code retries or carries on. A value the user
+#: set is kept.
+BOUNDED_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def bound_http_requests(environ: dict[str, str] | os._Environ = os.environ) -> None:
+    """Bound MLflow's per-call HTTP retries and timeout in this process (and the ones it starts)."""
+    for key, value in BOUNDED_HTTP.items():
+        environ.setdefault(key, value)
 
 
 def default_tracking_uri(workdir: Path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,37 @@ def test_choose_tracking_uri(recorded, requested, expected):
 )
 def test_local_store_path(uri, path):
     assert local_store_path(uri) == path
+
+
+def test_bounded_http_keeps_what_the_user_set():
+    from supervisor.tracking import BOUNDED_HTTP, bound_http_requests
+
+    env = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}
+    bound_http_requests(env)
+    assert env == {**BOUNDED_HTTP, "MLFLOW_HTTP_REQUEST_TIMEOUT": "300"}
+
+
+@pytest.mark.slow
+def test_a_dead_tracking_server_is_given_up_on_in_seconds_not_minutes():
+    # With MLflow's defaults this call retries for ~246 s (FACTS.md); the supervisor's bound makes it ~14 s.
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    code = f"""
+import time
+from mlflow.tracking import MlflowClient
+from supervisor.tracking import _has_run, bound_http_requests
+bound_http_requests()
+t0 = time.monotonic()
+print(_has_run(MlflowClient("http://127.0.0.1:{port}"), "0123456789abcdef"), round(time.monotonic() - t0))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found, seconds = out.stdout.split()
+    assert found == "False"
+    assert int(seconds) < 60
