@@ -39,7 +39,8 @@ class CheckpointConfig(Spec):
     )
     adaptive: bool = Field(
         False,
-        description="Pick the interval from the measured save cost and observed failure rate (Young/Daly), "
+        description="Pick the interval from the measured save cost and the lineage's failure rate "
+        "(Young/Daly: sqrt(2 x save cost x MTBF), MTBF = the lineage's age / its failures, age at least 60 s), "
         "capped by `every_steps`.",
     )
     keep_last: int = Field(3, ge=1, description="Keep this many newest checkpoints.")
