@@ -122,24 +122,32 @@ def test_arrivals_are_a_seeded_poisson_process_inside_the_horizon():
     assert arrivals(0.0, 600.0, random.Random(0)) == []
 
 
-def _run(config: str, goodput: float, useful: float, adaptive: bool = False) -> dict:
+def _run(config: str, goodput: float, useful: float, overhead: float, adaptive: bool = False) -> dict:
     return {"config": config, "signal": "kill", "adaptive": adaptive, "goodput": goodput,
-            "time_fraction": {"useful": useful}}  # fmt: skip
+            "time_fraction": {"useful": useful, "checkpoint": overhead / 4, "redone": overhead * 3 / 4}}  # fmt: skip
 
 
-def test_summary_compares_adaptive_with_the_best_fixed_interval_by_both_measures():
+def test_summary_compares_adaptive_with_the_best_fixed_interval_by_each_measure():
     from benchmarks.bench_goodput import summarize
 
     runs = [
-        _run("every-10", 0.99, 0.80),
-        _run("every-100", 0.90, 0.85),
-        _run("adaptive-cap100", 0.95, 0.86, True),
+        _run("every-10", 0.99, 0.80, 0.04),
+        _run("every-25", 0.97, 0.82, 0.02),
+        _run("every-100", 0.90, 0.85, 0.08),
+        _run("adaptive-cap100", 0.95, 0.86, 0.03, True),
     ]
     got = summarize(runs, ["kill"])["kill"]
     assert got["best_fixed_by_goodput"] == {"config": "every-10", "goodput": 0.99}
     assert got["best_fixed_by_useful_time"] == {"config": "every-100", "useful_time": 0.85}
     assert got["adaptive >= best fixed (goodput)"]["met"] is False
     assert got["adaptive >= best fixed (useful_time)"]["met"] is True
+    # Lower is better for the overhead the cadence controls (checkpointing + redone steps).
+    assert got["best_fixed_by_cadence_overhead"] == {
+        "config": "every-25",
+        "cadence_overhead": pytest.approx(0.02),
+    }
+    assert got["adaptive_cadence_overhead"] == pytest.approx(0.03)
+    assert got["adaptive <= best fixed (cadence_overhead)"]["met"] is False
     assert [got[f"goodput >= 0.95 ({c})"]["met"] for c in ("every-10", "every-100", "adaptive-cap100")] == [
         True, False, True,
     ]  # fmt: skip
