@@ -215,7 +215,7 @@ class LineageRunner:
             restore=RestoreSpec(**self.record["next_restore"]),
             history=self.history.to_dict(),
             supervisor_pid=os.getpid(),
-            lineage_started=self.record.get("created"),
+            lineage_seconds=running_seconds(self.record["segments"]),
         )
 
     def run_segment(self, on_line: Callable[[str, str], None] | None = None) -> SegmentResult:
@@ -437,6 +437,11 @@ class LineageRunner:
         except Exception as exc:
             log.warning("could not close the MLflow run: %s", exc)
         return self.record
+
+
+def running_seconds(segments: list[dict[str, Any]]) -> float:
+    """How long the lineage's finished segments ran: its age for the failure rate, idle time left out."""
+    return sum(max(0.0, s["ended"] - s["started"]) for s in segments if s.get("ended") is not None)
 
 
 def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:

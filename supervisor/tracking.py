@@ -16,9 +16,13 @@ log = logging.getLogger("rollback_supervisor.tracking")
 
 #: MLflow's HTTP retry defaults make one call to a dead server take ~4 minutes (7 retries, backoff up to
 #: 120 s; FACTS.md). The supervisor must keep deciding while the tracking server is down, so its calls give up
-#: within seconds (3 retries: 2 + 4 + 8 s of backoff) and our own code retries or carries on. A value the user
+#: within seconds (3 retries: 1 + 2 + 4 s of backoff) and our own code retries or carries on. A value the user
 #: set is kept.
-BOUNDED_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+BOUNDED_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
 
 
 def bound_http_requests(environ: dict[str, str] | os._Environ = os.environ) -> None:

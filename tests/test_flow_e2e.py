@@ -104,6 +104,47 @@ def test_software_error_fails_and_keeps_best_checkpoint(prefect_harness, tmp_pat
     assert rec["segments"][-1]["event"]["type"] == "software_error"
 
 
+def test_preemption_and_hang_each_resume_from_the_right_checkpoint(prefect_harness, tmp_path: Path):
+    # term: SIGTERM to the training -> emergency checkpoint at the step it was at -> exit 75 -> preemption.
+    # hang: alive but silent -> the monitor's hang detector (20 s in fast.yaml) -> stopped -> resume latest.
+    result = run_flow(tmp_path, steps=70, faults="term@30,hang@50")
+    assert result["status"] == "finished", result
+    rec = record(tmp_path)
+    events = [(s["event"] or {}).get("type") for s in rec["segments"]]
+    assert events == ["preemption", "hang", None]
+    assert [s["outcome"] for s in rec["segments"]] == ["resume", "resume", "finished"]
+    assert rec["segments"][0]["returncode"] == 75
+    # The emergency checkpoint is the resume point: no step is lost to the preemption.
+    assert rec["segments"][1]["restore"]["checkpoint_id"].startswith("0000000030-")
+    assert rec["segments"][1]["start_step"] == 30
+    # The hang at step 50 loses the steps since the last periodic checkpoint (40), no more.
+    assert rec["segments"][2]["restore"]["checkpoint_id"].startswith("0000000040-")
+    assert rec["segments"][1]["signal_sent"] is not None  # we stopped the hung process ourselves
+    hang = _rows(result, event="hang")
+    assert len(hang) == 1 and hang[0]["action"] == "resume"
+
+
+def test_oom_fails_per_policy_and_keeps_the_best_checkpoint(prefect_harness, tmp_path: Path):
+    # keep_best by the highest val_loss: the loss falls, so "best" is the oldest checkpoint, not the latest,
+    # and keeping the latest by mistake would show.
+    policy = tmp_path / "keep-worst.yaml"
+    text = (Path(__file__).parent / "data" / "policies" / "fast.yaml").read_text()
+    policy.write_text(
+        text.replace("{metric: val_loss, mode: min, count: 2}", "{metric: val_loss, mode: max, count: 2}")
+    )
+    result = run_flow(tmp_path / "w", steps=80, faults="oom@65", policy=policy)
+    assert result["status"] == "failed"
+    assert "oom" in result["reason"] and "fail" in result["reason"]
+    rec = record(tmp_path / "w")
+    assert rec["segments"][-1]["event"]["type"] == "oom"
+    from supervisor.checkpoint import open_store
+
+    catalog = open_store(Path(rec["storage"]["checkpoints"]))
+    best, latest = catalog.best("val_loss", "max"), catalog.latest()
+    assert best is not None and best.id != latest.id
+    assert result["final_checkpoint"] == best.id
+
+
 def test_budget_exhaustion_fails_with_clear_reason(prefect_harness, tmp_path: Path):
     policy = tmp_path / "tight.yaml"
     text = (Path(__file__).parent / "data" / "policies" / "fast.yaml").read_text()

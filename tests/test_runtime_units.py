@@ -110,7 +110,7 @@ def test_plan_round_trips_through_json(tmp_path: Path):
     plan = LaunchPlan(
         lineage="l", workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), tracking_uri="sqlite:///x.db",
         restore=RestoreSpec("0000000020-000002", skip_batches=7, lr_scale=0.5, rollback=True),
-        history={"entries": []}, supervisor_pid=123, lineage_started=1_700_000_000.5,
+        history={"entries": []}, supervisor_pid=123, lineage_seconds=4321.5,
     )  # fmt: skip
     assert LaunchPlan.read(plan.write(tmp_path / "plan.json")) == plan
 
@@ -132,6 +132,53 @@ def test_lr_scale_survives_the_scheduler():
     sched.step()  # the schedule goes on from the scaled base LR
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 1.0 / 3)
     assert sched.state_dict()["base_lrs"] == [0.5]
+
+
+def test_adaptive_cadence_keeps_the_segment_age_across_in_process_rollbacks():
+    c = Cadence(every_steps=10_000, adaptive=True, failures=0, observed_s=0.0)
+    c.start(0, 0.0)
+    c.observe_step(0.0)
+    c.observe_step(0.25)
+    c.observe_save(0.04)
+    before = c.interval_steps(3600.0)
+    c.start(500, 3600.0)  # an in-process rollback restarts the step count, not the lineage's age
+    assert c.mtbf_s(3600.0) == pytest.approx(3600.0)
+    assert c.interval_steps(3600.0) == before
+
+
+def test_adaptive_cadence_saves_early_to_measure_the_save_cost():
+    c = Cadence(every_steps=100, adaptive=True, failures=3, observed_s=600.0)
+    c.start(40, 0.0)
+    assert c.interval_steps(0.0) == 100  # no step timed yet: the cap
+    c.observe_step(0.25)
+    assert c.due(41, 0.25)  # one timed step and no save yet: save now rather than 100 steps from now
+    c.observe_save(0.04)
+    c.saved(41, 0.25)
+    assert c.interval_steps(0.25) == round(math.sqrt(2 * 0.04 * 200) / 0.25)
+    fixed = Cadence(every_steps=100)
+    fixed.start(40, 0.0)
+    fixed.observe_step(0.25)
+    assert not fixed.due(41, 0.25)
+
+
+def test_lineage_running_time_leaves_out_idle_time_and_the_open_segment():
+    from supervisor.orchestrator import running_seconds
+
+    segments = [
+        {"started": 1000.0, "ended": 1600.0},
+        {"started": 90_000.0, "ended": 90_300.0},  # resumed a day later: the day in between is not counted
+        {"started": 90_310.0, "ended": None},
+    ]
+    assert running_seconds(segments) == 900.0
+    assert running_seconds([]) == 0.0
+
+
+def test_a_plan_with_keys_from_another_release_still_reads(tmp_path: Path):
+    plan = LaunchPlan(
+        lineage="l", workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), tracking_uri="x"
+    )
+    data = {**plan.to_dict(), "lineage_started": 1.0}
+    assert LaunchPlan.from_dict(data) == plan
 
 
 def test_failures_for_the_cadence_count_lost_processes_not_metric_anomalies():

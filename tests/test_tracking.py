@@ -54,7 +54,7 @@ def test_bounded_http_keeps_what_the_user_set():
 
 @pytest.mark.slow
 def test_a_dead_tracking_server_is_given_up_on_in_seconds_not_minutes():
-    # With MLflow's defaults this call retries for ~246 s (FACTS.md); the supervisor's bound makes it ~14 s.
+    # With MLflow's defaults this call retries for ~246 s (FACTS.md); the supervisor's bound makes it ~7 s.
     import socket
     import subprocess
     import sys

@@ -31,9 +31,9 @@ class Cadence:
     """Decides whether a checkpoint is due after a step.
 
     With `adaptive`, the interval in seconds is Young/Daly from the measured save cost (what training is
-    blocked per save) and the failure rate (`failures` seen in the lineage's life so far, of which
-    `observed_s` passed before this segment started), converted to steps with the measured step time and
-    capped by `every_steps`.
+    blocked per save) and the failure rate (`failures` seen in the lineage's running time so far, of which
+    `observed_s` passed in earlier segments), converted to steps with the measured step time and capped by
+    `every_steps`. A segment that has not saved yet saves after its first timed step, to measure the cost.
     """
 
     every_steps: int | None = None
@@ -50,7 +50,10 @@ class Cadence:
     _recent: deque = field(default_factory=lambda: deque(maxlen=50), repr=False)
 
     def start(self, step: int, now: float) -> None:
-        self._last_step, self._last_time, self._prev_time, self._started = step, now, now, now
+        """(Re)start counting at `step` (after a restore); the segment's age keeps counting from the first start."""
+        self._last_step, self._last_time, self._prev_time = step, now, now
+        if self._started is None:
+            self._started = now
 
     def mtbf_s(self, now: float) -> float:
         """The failure-rate estimate at `now` (see `estimate_mtbf`)."""
@@ -68,8 +71,10 @@ class Cadence:
 
     def interval_steps(self, now: float) -> int | None:
         """The step interval at `now` (adaptive or fixed); None when only time triggers saves."""
-        if not self.adaptive or self._save_cost is None or not self._step_time:
+        if not self.adaptive or not self._step_time:
             return self.every_steps
+        if self._save_cost is None:
+            return 1  # save once now, to measure what a save costs, rather than wait for the cap
         seconds = young_daly_interval(self._save_cost, self.mtbf_s(now))
         steps = max(1, round(seconds / self._step_time))
         return min(steps, self.every_steps) if self.every_steps else steps

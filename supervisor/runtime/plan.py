@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 from supervisor.errors import UserError
 
 PLAN_ENV = "ROLLBACK_SUPERVISOR_PLAN"
+log = logging.getLogger("rollback_supervisor.runtime")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class LaunchPlan:
     history: dict[str, Any] = field(default_factory=dict)
     supervised: bool = True
     supervisor_pid: int | None = None  # the training side stops (emergency checkpoint) if it vanishes
-    lineage_started: float | None = None  # wall-clock time the lineage was created (adaptive cadence)
+    lineage_seconds: float = 0.0  # how long the lineage's earlier segments ran (the adaptive cadence's MTBF)
 
     @property
     def events_path(self) -> Path:
@@ -65,7 +67,11 @@ class LaunchPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchPlan:
-        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:  # a plan from another release of the supervisor: what we know of it still applies
+            log.warning("launch plan: ignoring keys this version does not know: %s", ", ".join(unknown))
+        data = {k: v for k, v in data.items() if k in known}
         data["restore"] = RestoreSpec(**data.get("restore", {}))
         return cls(**data)
 

@@ -35,6 +35,9 @@ log = logging.getLogger("rollback_supervisor.session")
 
 #: Signals the supervisor sends: SIGTERM = preempted (emergency checkpoint), SIGUSR2 = stop now, no checkpoint.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+#: How long ranks wait for each other on the way out: rank 0 first finishes its pending saves and uploads and
+#: flushes its metrics (up to a minute), while the other ranks have nothing to close.
+FINISH_TIMEOUT_S = 1800.0
 
 
 class Session:
@@ -89,6 +92,7 @@ class Session:
         self._old_handlers: dict[int, Any] = {}
         self._restored = False
         self._event_seq = 0
+        self._own_run_id: str | None = None  # the stand-alone run this process created
         workdir = Path(plan.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self._faults = FaultInjector.from_env(plan.faults_path, self.state.rank)
@@ -102,7 +106,7 @@ class Session:
             ck.every_seconds,
             ck.adaptive,
             failures=_failures(self.history),
-            observed_s=max(0.0, time.time() - plan.lineage_started) if plan.lineage_started else 0.0,
+            observed_s=plan.lineage_seconds,
         )
         # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
         # The store is opened on the logger's thread (importing MLflow alone takes seconds), started after the
@@ -149,9 +153,13 @@ class Session:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.plan.tracking_uri)
-        return client, self.plan.run_id or self._start_run(client)
+        if self.plan.run_id:
+            return client, self.plan.run_id
+        if self._own_run_id is None:  # connecting is retried: a retry must not create a second run
+            self._start_run(client)
+        return client, self._own_run_id
 
-    def _start_run(self, client: Any) -> str:
+    def _start_run(self, client: Any) -> None:
         from mlflow.entities import Param
 
         exp = client.get_experiment_by_name(self.plan.experiment)
@@ -165,10 +173,10 @@ class Session:
         else:
             exp_id = exp.experiment_id
         run = client.create_run(exp_id, run_name=self.run_name, tags={"rollback.lineage": self.plan.lineage})
+        self._own_run_id = run.info.run_id
         params = [Param(k, str(v)[:500]) for k, v in self.config.items()]
         if params:
             client.log_batch(run.info.run_id, params=params)
-        return run.info.run_id
 
     # -- registration -------------------------------------------------------------------------
 
@@ -368,10 +376,10 @@ class Session:
 
     def _save(self, step: int, *, force: bool = False) -> None:
         self._heartbeat.beat(step, "checkpoint")
-        t0 = time.monotonic()
         metrics = {k: float(v) for k, v in self._step_metrics.items()}
         # A checkpoint implies its metrics are recorded: after a SIGKILL nothing before it is missing.
         self._metrics.flush(timeout=10.0)
+        t0 = time.monotonic()  # the cadence's save cost; the first flush also waits for MLflow to open
         if self.dist is not None:  # every rank takes part; rank 0 stores each rank's share under ranks.<r>
             self.state.rank_states = self.dist.gather_state(self.state.rank_state_dict(self._rank_parts))
         try:
@@ -489,7 +497,7 @@ class Session:
                 # Every rank got here through the same agreed stop; a failed rank's peers may be stuck in a
                 # collective instead, and torchrun tears them down.
                 try:
-                    self.dist.finish()
+                    self.dist.finish(timeout_s=FINISH_TIMEOUT_S)
                 except Exception as exc:
                     log.warning("ranks did not leave together: %s", exc)
         log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)
@@ -511,6 +519,7 @@ def _alive(pid: int) -> bool:
 
 
 def _failures(history: Any) -> int:
-    """Failures that lose the work since the last checkpoint: every event that ended a process, not the
-    metric anomalies (a rollback goes back to a policy-chosen checkpoint whatever the cadence)."""
+    """Failures for the cadence: every event that ended a process (a preemption with an emergency checkpoint
+    too: the next one may come without warning), not the metric anomalies (a rollback goes back to a
+    policy-chosen checkpoint whatever the cadence)."""
     return sum(1 for e in history if e.event.type not in METRIC_EVENTS)
