@@ -221,3 +221,30 @@ def test_metric_logger_connects_only_once_started_and_keeps_what_was_logged_befo
     late.log({"loss": 2.0}, step=2)
     late.close()
     assert sent[-1] == ("loss", 2.0, 2)
+
+
+def test_metric_logger_ships_while_points_keep_coming_not_only_at_a_flush():
+    import threading
+    import time as _time
+
+    from supervisor.runtime.metrics import AsyncMetricLogger
+
+    batches: list[int] = []
+    lock = threading.Lock()
+
+    class Client:
+        def log_batch(self, run_id, metrics, synchronous):
+            with lock:
+                batches.append(len(metrics))
+
+    logger = AsyncMetricLogger(lambda: (Client(), "run-1"), interval=0.1)
+    for step in range(60):  # a steady stream, one point every 10 ms: never 0.1 s of silence
+        logger.log({"loss": float(step)}, step=step)
+        _time.sleep(0.01)
+    with lock:
+        before_flush = list(batches)
+    assert logger.flush(timeout=10)
+    logger.close()
+    # Shipped in several batches during the stream (a quiet-period rule would have sent nothing until the flush).
+    assert len(before_flush) >= 2, before_flush
+    assert sum(batches) == 60
