@@ -140,8 +140,9 @@ def main(
             "checkpoints included), redone (steps executed again plus the partial step a SIGKILL lost), "
             "useful, other.",
             "adaptive: Young/Daly from the measured save cost and the lineage's observed failure rate "
-            "(supervisor/runtime/cadence.py); until two failures are in the history it assumes an MTBF of "
-            "one hour, and it never exceeds its every_steps cap.",
+            "(supervisor/runtime/cadence.py): MTBF = the lineage's running time (at least 60 s) / its failures "
+            "(at least 1); a segment saves after its first timed step to measure the cost; never beyond "
+            "its every_steps cap.",
         ],
     }
     typer.echo(write_json(result, json_path))
