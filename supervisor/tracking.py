@@ -72,13 +72,24 @@ def choose_tracking_uri(
     return recorded if path is None or exists(path) else default
 
 
-def start_run(client: MlflowClient, experiment: str, lineage: str, policy: str, workdir: Path) -> str:
-    """Create the lineage's MLflow run (and its experiment, with artifacts kept in the workdir when local)."""
+def start_run(
+    client: MlflowClient,
+    experiment: str,
+    lineage: str,
+    policy: str,
+    workdir: Path,
+    *,
+    run_name: str | None = None,
+) -> str:
+    """Create the lineage's MLflow run (and its experiment, with artifacts kept in the workdir when local).
+
+    The run is named after the lineage, or `run_name` (a stand-alone training run names itself).
+    """
     exp = client.get_experiment_by_name(experiment)
     artifacts = artifact_location(client.tracking_uri, workdir)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, artifacts)
     run = client.create_run(
-        exp_id, run_name=lineage, tags={"rollback.lineage": lineage, "rollback.policy": policy}
+        exp_id, run_name=run_name or lineage, tags={"rollback.lineage": lineage, "rollback.policy": policy}
     )
     return run.info.run_id
 

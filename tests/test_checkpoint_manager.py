@@ -87,6 +87,49 @@ def test_a_save_beyond_max_in_flight_waits_for_the_previous_commit(tmp_path):
         assert open_store(tmp_path / "store").get(first.id).id == first.id
 
 
+def test_before_commit_runs_on_the_writer_before_the_commit_and_writing_says_a_save_would_block(tmp_path):
+    import threading
+
+    t = Tiny()
+    release, seen = threading.Event(), []
+    with CheckpointManager(opts(tmp_path, max_in_flight=1, memory_slots=1), t.state) as mgr:
+
+        def hook():
+            seen.append((threading.current_thread().name, open_store(tmp_path / "store").ids()))
+            assert release.wait(30)
+
+        info = mgr.save(1, before_commit=hook)  # returns while the hook holds the commit back
+        assert mgr.writing()  # a second save now would block until the first commits
+        release.set()
+        mgr.wait()
+        assert not mgr.writing()
+        assert seen == [(seen[0][0], [])] and seen[0][0].startswith("ckpt-writer")  # not yet committed
+        assert open_store(tmp_path / "store").ids() == [info.id]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failing_before_commit_commits_nothing_and_keeps_the_good_checkpoint(tmp_path, async_save):
+    t = Tiny()
+    with CheckpointManager(opts(tmp_path, async_save=async_save), t.state) as mgr:
+        good = mgr.save(1)
+        mgr.wait()
+        t.step()
+
+        def hook():
+            raise OSError("metrics not sent")
+
+        if async_save:
+            mgr.save(2, before_commit=hook)
+            with pytest.raises(BackgroundSaveError, match="metrics not sent"):
+                mgr.wait()
+        else:
+            with pytest.raises(OSError, match="metrics not sent"):
+                mgr.save(2, before_commit=hook)
+        store = open_store(tmp_path / "store")
+        assert store.ids() == [good.id]
+        assert not list((tmp_path / "store" / ".tmp").iterdir())  # the staged files are gone too
+
+
 def test_ids_stay_unique_when_a_step_is_saved_again_after_rollback(tmp_path, caplog):
     t = Tiny()
     with CheckpointManager(opts(tmp_path), t.state) as mgr:

@@ -184,7 +184,7 @@ def test_a_plan_with_keys_from_another_release_still_reads(tmp_path: Path):
 def test_failures_for_the_cadence_count_lost_processes_not_metric_anomalies():
     from types import SimpleNamespace
 
-    from supervisor.runtime.session import _failures
+    from supervisor.runtime.cadence import failures_in as _failures
 
     kinds = ["spike", "preemption", "non_finite", "hardware_fault", "unknown_exit", "plateau", "hang", "oom"]
     history = [SimpleNamespace(event=SimpleNamespace(type=k)) for k in kinds]
@@ -248,3 +248,34 @@ def test_metric_logger_ships_while_points_keep_coming_not_only_at_a_flush():
     # Shipped in several batches during the stream (a quiet-period rule would have sent nothing until the flush).
     assert len(before_flush) >= 2, before_flush
     assert sum(batches) == 60
+
+
+def test_metrics_sent_is_asked_once_and_a_commit_waits_for_it_boundedly(caplog):
+    import logging
+    import threading
+
+    from supervisor.runtime.metrics import AsyncMetricLogger, MetricsSent
+
+    sent: list[int] = []
+    release = threading.Event()
+
+    class Client:
+        def log_batch(self, run_id, metrics, synchronous):
+            assert release.wait(30)
+            sent.extend(m.step for m in metrics)
+
+    logger = AsyncMetricLogger(lambda: (Client(), "run-1"), interval=60.0)
+    logger.log({"loss": 1.0}, step=1)
+    later = MetricsSent(logger, step=1, timeout=0.3)
+    first = later.ask()  # sent at once, not on the 60 s schedule
+    assert later.ask() is first  # asked twice (commit and training thread), requested once
+    with caplog.at_level(logging.WARNING, "rollback_supervisor.metrics"):
+        later.wait()  # MLflow is stuck: the commit goes ahead after the timeout, with a warning
+    assert "commits before its metrics reached MLflow" in caplog.text and sent == []
+    release.set()
+    assert first.wait(10) and sent == [1]
+    # A synchronous save commits inside save(): the commit's wait makes the request itself.
+    logger.log({"loss": 2.0}, step=2)
+    MetricsSent(logger, step=2).wait()
+    assert sent == [1, 2]
+    logger.close()

@@ -38,7 +38,10 @@ class CheckpointManager:
     - Call it from one thread (the training loop); it is not thread-safe.
     - With async_save, save() blocks only while the state is copied into reused host buffers; writing,
       checksums, commit, retention and the remote upload run on background threads, in save order.
-    - When `max_in_flight` saves are pending, save() blocks until the oldest finishes.
+    - When `max_in_flight` saves are pending, save() blocks until the oldest finishes; `writing()` says
+      whether one would (a caller free to pick its moment, like the adaptive cadence, saves later instead).
+    - `before_commit` (e.g. "the metrics up to this step are sent") runs on the writer thread just before the
+      commit, so a committed checkpoint implies it without training waiting for it.
     - The snapshot aliases no live tensor: training may change the state as soon as save() returns.
     - A background failure is raised as BackgroundSaveError by the next save/restore/wait/close call.
     - restore(), restore_memory() and abandon_after() first wait for pending saves.
@@ -63,6 +66,7 @@ class CheckpointManager:
         self._writer = ThreadPoolExecutor(1, "ckpt-writer") if options.async_save else None
         self._uploader = ThreadPoolExecutor(1, "ckpt-upload") if self._remote else None
         self._pending: deque[Future[Any]] = deque()
+        self._writes: deque[Future[Any]] = deque()  # the writes among _pending, for writing()
         self._slots = threading.BoundedSemaphore(options.max_in_flight)
         self._lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []
@@ -86,11 +90,14 @@ class CheckpointManager:
         metrics: dict[str, float] | None = None,
         force: bool = False,
         extras: dict[str, Any] | None = None,
+        before_commit: Callable[[], Any] | None = None,
     ) -> CheckpointInfo:
         """Snapshot the state as checkpoint `step` and write it (in the background with async_save).
 
         A step this branch already saved is not saved again (its info is returned) unless `force`. With
         async_save the returned info describes the pending commit; get(id) after wait() has the final one.
+        `before_commit` runs after the files are written and before they are committed (on the writer thread
+        with async_save); if it raises, the checkpoint is not committed.
         """
         self._check()
         if not force and self._last is not None and self._last.step == step:
@@ -115,13 +122,15 @@ class CheckpointManager:
             except BaseException:
                 self._slots.release()
                 raise
-            self._pending.append(self._writer.submit(self._write, meta, snap.skeleton, snap.tensors, snap))
+            write = self._writer.submit(self._write, meta, snap.skeleton, snap.tensors, snap, before_commit)
+            self._pending.append(write)
+            self._writes.append(write)
         else:
             snap = self._ring.capture(cid, skeleton, live, {"info": info}) if len(self._ring) else None
             if snap is not None:
-                self._write(meta, snap.skeleton, snap.tensors, snap)
+                self._write(meta, snap.skeleton, snap.tensors, snap, before_commit)
             else:
-                self._write(meta, skeleton, host_tensors(live))
+                self._write(meta, skeleton, host_tensors(live), None, before_commit)
         tiers = (("memory",) if snap else ()) + (("local",) if self._writer is None else ())
         nbytes = snap.nbytes if snap else sum(t.numel() * t.element_size() for t in live.values())
         info = replace(info, tiers=tiers, nbytes=nbytes)
@@ -129,12 +138,23 @@ class CheckpointManager:
         log.info("Saved checkpoint %s: training blocked %.3fs", cid, time.monotonic() - started)
         return info
 
+    def writing(self) -> bool:
+        """Whether save() would now block on earlier background writes (`max_in_flight` of them pending)."""
+        while self._writes and self._writes[0].done():
+            self._writes.popleft()
+        return len(self._writes) >= self.options.max_in_flight
+
     def _write(
-        self, meta: CheckpointMeta, skeleton: Any, tensors: dict[str, Any], snap: Snapshot | None = None
+        self,
+        meta: CheckpointMeta,
+        skeleton: Any,
+        tensors: dict[str, Any],
+        snap: Snapshot | None = None,
+        before_commit: Callable[[], Any] | None = None,
     ) -> None:
         started = time.monotonic()
         try:
-            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index)
+            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index, before_commit)
             self._manifests[meta.id] = manifest
             if self._index is not None:
                 self._index.add(manifest)

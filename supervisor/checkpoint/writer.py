@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +39,12 @@ def write_checkpoint(
     skeleton: Any,
     tensors: Mapping[str, torch.Tensor],
     index: DedupIndex | None,
+    before_commit: Callable[[], Any] | None = None,
 ) -> Manifest:
-    """Write and commit a checkpoint from host tensors no one mutates meanwhile; returns its manifest."""
+    """Write and commit a checkpoint from host tensors no one mutates meanwhile; returns its manifest.
+
+    `before_commit` runs once the files are staged; if it raises, nothing is committed.
+    """
     cid = meta.id
     staged = store.stage(cid)
     try:
@@ -74,6 +78,8 @@ def write_checkpoint(
             git_commit=meta.git_commit,
             config_hash=meta.config_hash,
         )
+        if before_commit is not None:
+            before_commit()
         store.commit(cid, staged, manifest.to_bytes(), blob if layout.new else None)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)

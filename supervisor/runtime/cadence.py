@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
+
+from supervisor.events import METRIC_EVENTS
 
 #: The least lineage time the failure rate is estimated over: a run seconds old has not yet shown that it is
 #: reliable, but checkpointing as if it failed every few seconds would cost more than it could save.
@@ -24,6 +27,13 @@ def estimate_mtbf(observed_s: float, failures: int) -> float:
     checkpoints less and less often (up to the `every_steps` cap).
     """
     return max(observed_s, MIN_OBSERVED_S) / max(1, failures)
+
+
+def failures_in(history: Any) -> int:
+    """Failures for the MTBF: every event that ended a process (a preemption with an emergency checkpoint
+    too: the restart is what costs), not metric anomalies (a rollback to a policy-chosen checkpoint, whatever
+    the cadence). `history` holds the lineage's records, each with an `event`."""
+    return sum(1 for e in history if e.event.type not in METRIC_EVENTS)
 
 
 @dataclass

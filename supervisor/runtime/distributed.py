@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,6 +173,10 @@ class ReadOnlyCheckpoints:
     def save(self, step: int, **_: Any) -> None:
         """Rank 0 writes; this rank only took part in gathering its state."""
 
+    def writing(self) -> bool:
+        """Never: nothing is written from this rank."""
+        return False
+
     def wait(self) -> None:
         """Nothing is ever pending on a read-only rank."""
 
@@ -190,6 +195,11 @@ class NullMetrics:
 
     def flush(self, timeout: float = 30.0) -> bool:
         return True
+
+    def barrier(self) -> threading.Event:
+        done = threading.Event()
+        done.set()
+        return done
 
     def close(self, timeout: float = 30.0) -> None:
         pass

@@ -16,9 +16,9 @@ import torch
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, CheckpointManager
 from supervisor.errors import CheckpointNotFound
-from supervisor.events import METRIC_EVENTS, Event
+from supervisor.events import Event
 from supervisor.monitor import DetectorSet, HeartbeatWriter, NoticeWatcher, Point, build_detectors
-from supervisor.runtime.cadence import Cadence
+from supervisor.runtime.cadence import Cadence, failures_in
 from supervisor.runtime.distributed import (
     Distributed,
     NullHeartbeat,
@@ -26,8 +26,9 @@ from supervisor.runtime.distributed import (
     ReadOnlyCheckpoints,
 )
 from supervisor.runtime.faults import FaultInjector
-from supervisor.runtime.metrics import AsyncMetricLogger
+from supervisor.runtime.metrics import AsyncMetricLogger, MetricsSent
 from supervisor.runtime.plan import LaunchPlan, load_plan
+from supervisor.runtime.tracking_run import TrackingConnection
 from supervisor.runtime.wiring import apply_lr_scale, checkpoint_options, load_session_policy, to_records
 from supervisor.state import TrainingState
 
@@ -92,7 +93,6 @@ class Session:
         self._old_handlers: dict[int, Any] = {}
         self._restored = False
         self._event_seq = 0
-        self._own_run_id: str | None = None  # the stand-alone run this process created
         workdir = Path(plan.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self._faults = FaultInjector.from_env(plan.faults_path, self.state.rank)
@@ -105,14 +105,16 @@ class Session:
             ck.every_steps,
             ck.every_seconds,
             ck.adaptive,
-            failures=_failures(self.history),
+            failures=failures_in(self.history),
             observed_s=plan.lineage_seconds,
         )
         # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
         # The store is opened on the logger's thread (importing MLflow alone takes seconds), started after the
         # restore so that it does not compete with it (see supervisor/runtime/metrics.py).
         self._metrics: Any = (
-            AsyncMetricLogger(self._connect_tracking, start=False) if writer else NullMetrics()
+            AsyncMetricLogger(TrackingConnection(plan, run_name, self.config, self.policy.name), start=False)
+            if writer
+            else NullMetrics()
         )
         notice = self.policy.monitor.preemption_notice
         self._notices = None
@@ -147,36 +149,6 @@ class Session:
         if self.plan.run_id:
             return self.plan.run_id
         return self._metrics.connection()[1]
-
-    def _connect_tracking(self) -> tuple[Any, str]:
-        """Runs on the metric logger's thread: open the store; stand-alone, also create this run."""
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=self.plan.tracking_uri)
-        if self.plan.run_id:
-            return client, self.plan.run_id
-        if self._own_run_id is None:  # connecting is retried: a retry must not create a second run
-            self._start_run(client)
-        return client, self._own_run_id
-
-    def _start_run(self, client: Any) -> None:
-        from mlflow.entities import Param
-
-        exp = client.get_experiment_by_name(self.plan.experiment)
-        if exp is None:
-            from supervisor.orchestrator import artifact_location
-
-            root = Path(self.plan.tracking_uri.removeprefix("sqlite:///")).parent
-            exp_id = client.create_experiment(
-                self.plan.experiment, artifact_location(self.plan.tracking_uri, root)
-            )
-        else:
-            exp_id = exp.experiment_id
-        run = client.create_run(exp_id, run_name=self.run_name, tags={"rollback.lineage": self.plan.lineage})
-        self._own_run_id = run.info.run_id
-        params = [Param(k, str(v)[:500]) for k, v in self.config.items()]
-        if params:
-            client.log_batch(run.info.run_id, params=params)
 
     # -- registration -------------------------------------------------------------------------
 
@@ -347,6 +319,10 @@ class Session:
         due = self._stop_signal is None and self.step < max_steps and self._cadence.due(self.step, now)
         if self.dist is not None:
             due = self._agree(events, due)
+        elif due and self._cadence.adaptive and self.manager.writing():
+            # The previous checkpoint is still being written: saving now would block training until it is.
+            # An adaptive cadence picks its own moment, so it saves at the first step after the write instead.
+            due = False
         if due:
             self._save(self.step)
 
@@ -375,17 +351,19 @@ class Session:
         return bool(due_any) and not self._agreed_stop
 
     def _save(self, step: int, *, force: bool = False) -> None:
+        t0 = time.monotonic()  # the cadence's save cost: all the time training is blocked here
         self._heartbeat.beat(step, "checkpoint")
         metrics = {k: float(v) for k, v in self._step_metrics.items()}
-        # A checkpoint implies its metrics are recorded: after a SIGKILL nothing before it is missing.
-        self._metrics.flush(timeout=10.0)
-        t0 = time.monotonic()  # the cadence's save cost; the first flush also waits for MLflow to open
+        # A committed checkpoint implies its metrics are recorded (after a SIGKILL nothing before it is missing
+        # from MLflow): the writer waits for them before the commit, so training does not wait for MLflow.
+        sent = MetricsSent(self._metrics, step)
         if self.dist is not None:  # every rank takes part; rank 0 stores each rank's share under ranks.<r>
             self.state.rank_states = self.dist.gather_state(self.state.rank_state_dict(self._rank_parts))
         try:
-            self.manager.save(step, metrics=metrics, force=force)
+            self.manager.save(step, metrics=metrics, force=force, before_commit=sent.wait)
         finally:
             self.state.rank_states = None
+        sent.ask()  # the state is copied: send the metrics now, beside training rather than beside the copy
         self._cadence.observe_save(time.monotonic() - t0)
         self._cadence.saved(step, time.monotonic())
         self._heartbeat.beat(step, "train")
@@ -516,10 +494,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _failures(history: Any) -> int:
-    """Failures for the cadence: every event that ended a process (a preemption with an emergency checkpoint
-    too: the next one may come without warning), not the metric anomalies (a rollback goes back to a
-    policy-chosen checkpoint whatever the cadence)."""
-    return sum(1 for e in history if e.event.type not in METRIC_EVENTS)

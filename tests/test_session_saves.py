@@ -1,0 +1,150 @@
+"""How the training side saves: a commit waits for its metrics on the writer thread, never on the training
+thread, and an adaptive cadence saves after a write in flight instead of blocking on it. In process, with a
+real Session, model, optimizer and store; only the MLflow side is replaced by a gate the test controls."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from supervisor.checkpoint import open_store
+from supervisor.runtime import Session
+
+
+class GatedMetrics:
+    """The metric logger's interface. The first barrier (the first save's "metrics sent") opens when the test
+    says, or after `safety_s` so that a regression fails instead of hanging; later ones are open at once."""
+
+    def __init__(self, safety_s: float = 20.0) -> None:
+        self.gates: list[threading.Event] = []
+        self._safety_s = safety_s
+
+    def start(self) -> None:
+        pass
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+
+    def barrier(self) -> threading.Event:
+        gate = threading.Event()
+        if self.gates:
+            gate.set()
+        else:
+            timer = threading.Timer(self._safety_s, gate.set)
+            timer.daemon = True
+            timer.start()
+        self.gates.append(gate)
+        return gate
+
+    def close(self, timeout: float = 30.0) -> None:
+        pass
+
+    def connection(self, timeout: float = 0.0) -> tuple[None, None]:
+        return None, None
+
+
+def _policy(tmp_path: Path, *, adaptive: bool, every_steps: int) -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "version: 1\nname: saves\n"
+        f"checkpoint: {{every_steps: {every_steps}, adaptive: {str(adaptive).lower()}, keep_last: 50}}\n"
+        "monitor: {detectors: []}\n"
+        "rules: [{when: [preemption], action: resume, target: {select: latest}}]\n"
+    )
+    return path
+
+
+def _session(tmp_path: Path, *, adaptive: bool, every_steps: int) -> tuple[Session, GatedMetrics]:
+    sess = Session.attach(
+        workdir=tmp_path / "work", policy=_policy(tmp_path, adaptive=adaptive, every_steps=every_steps)
+    )
+    sess._metrics = metrics = GatedMetrics()  # no MLflow: the test decides when metrics count as sent
+    return sess, metrics
+
+
+def _train(sess: Session, steps: int, on_step=None) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sess.register(model=model, optimizer=opt)
+    batches = [torch.randn(4, 8) for _ in range(steps)]
+    for step, x in sess.loop(batches, max_steps=steps):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        if on_step:
+            on_step(step)
+
+
+def _committed_steps(sess: Session) -> list[int]:
+    return sorted(i.step for i in open_store(sess.plan.checkpoint_dir).list())
+
+
+def test_a_commit_waits_for_its_metrics_but_training_does_not(tmp_path: Path):
+    sess, metrics = _session(tmp_path, adaptive=False, every_steps=5)
+    seen: dict[int, list[int]] = {}
+
+    def on_step(step: int) -> None:
+        if step in (7, 9):
+            seen[step] = _committed_steps(sess)
+        if step == 9:
+            metrics.gates[0].set()  # step 5's metrics are now "sent"
+            sess.manager.wait()
+            seen[10] = _committed_steps(sess)
+
+    try:
+        _train(sess, 12, on_step)
+    finally:
+        for gate in metrics.gates:
+            gate.set()
+        sess.close()
+    # Training went on past step 5 while the step-5 commit waited for its metrics.
+    assert seen[7] == [] and seen[9] == []
+    assert seen[10] == [5]
+    assert _committed_steps(sess)[-1] == 12
+
+
+def test_an_adaptive_cadence_saves_after_the_write_in_flight_instead_of_blocking_on_it(tmp_path: Path):
+    sess, metrics = _session(tmp_path, adaptive=True, every_steps=2)
+    in_flight: list[int] = []
+
+    def on_step(step: int) -> None:
+        if metrics.gates and not metrics.gates[0].is_set():
+            in_flight.append(step)
+        if step == 30:
+            metrics.gates[0].set()
+            sess.manager.wait()  # the first checkpoint is committed now
+
+    try:
+        # Were the due save blocking on the write in flight, training would stop at step 3 until the safety
+        # timer opened the gate, and the steps trained meanwhile would be [2, 3].
+        _train(sess, 40, on_step)
+    finally:
+        for gate in metrics.gates:
+            gate.set()
+        sess.close()
+    first = min(_committed_steps(sess))
+    assert len(metrics.gates) >= 3, "saves resumed once the first was committed"
+    assert in_flight[-1] == 30 and len(in_flight) >= 25  # trained on while the first save was in flight
+    assert all(step >= 30 for step in _committed_steps(sess) if step != first)
+
+
+def test_a_fixed_cadence_keeps_its_multiples_even_when_a_write_is_in_flight(tmp_path: Path):
+    sess, metrics = _session(tmp_path, adaptive=False, every_steps=3)
+
+    def on_step(step: int) -> None:
+        if step == 4:
+            threading.Timer(0.5, metrics.gates[0].set).start()  # step 6's save blocks until then
+
+    try:
+        _train(sess, 12, on_step)
+    finally:
+        for gate in metrics.gates:
+            gate.set()
+        sess.close()
+    assert _committed_steps(sess) == [3, 6, 9, 12]
