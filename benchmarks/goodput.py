@@ -191,9 +191,8 @@ def run_config(
         for seg in record["segments"]
         if seg.get("pid")
     ]
-    figures = account(
-        samples, t0, t_end, graceful=variant == "term", useful_steps=latest.step if latest else 0
-    )
+    figures = account(samples, t0, t_end, graceful=variant == "term", useful_steps=latest.step if latest else 0,
+                      rate_per_min=rate_per_min)  # fmt: skip
     return {
         "config": config.name,
         "every_steps": config.every_steps,

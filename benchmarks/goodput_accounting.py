@@ -8,6 +8,12 @@ Buckets over the window [t0, t_end]:
 - redone: steps executed again because they were lost (at or below an earlier segment's last step), plus
   the partial step a SIGKILL threw away;
 - useful: the remaining step time; other: what is left (rounding, process teardown not covered above).
+
+Where the preemptions land between two checkpoints is luck: with a handful per run, the redone time of two
+cadences differs by that luck as much as by their intervals. So besides the realized figures, `account` gives
+the expected ones for the checkpoints the run actually took: a preemption at a random moment loses the time
+since the last durable point, on average sum(T^2) / (2 sum(T)) over the intervals T between durable points
+(the restore, then each checkpoint), and preemptions come at `rate_per_min`.
 """
 
 from __future__ import annotations
@@ -40,13 +46,19 @@ def arrivals(rate_per_min: float, horizon_s: float, rng: random.Random) -> list[
 
 
 def account(
-    segments: list[SegmentSample], t0: float, t_end: float, *, graceful: bool, useful_steps: int
+    segments: list[SegmentSample],
+    t0: float,
+    t_end: float,
+    *,
+    graceful: bool,
+    useful_steps: int,
+    rate_per_min: float = 0.0,
 ) -> dict[str, Any]:
     """Steps and wall-time buckets of one run; `useful_steps` is the step of the last durable checkpoint."""
     wall = t_end - t0
     time_in = dict.fromkeys(("startup", "restart", "checkpoint", "redone", "useful"), 0.0)
     executed = redone = saves = restarts = 0
-    save_s = step_time = 0.0
+    save_s = step_time = gap_s = gap_sq_s = 0.0
     high_water = 0
     gap_start = t0
     for index, seg in enumerate(segments):
@@ -68,6 +80,7 @@ def account(
         executed, redone, saves = executed + steps, redone + seg_redone, saves + int(c["saves"])
         save_s, step_time = save_s + c["save_s"], step_time + step_s * steps
         time_in["checkpoint"] += c["save_s"]
+        gap_s, gap_sq_s = gap_s + c.get("gap_s", 0.0), gap_sq_s + c.get("gap_sq_s", 0.0)
         time_in["redone"] += seg_redone * step_s
         time_in["useful"] += (steps - seg_redone) * step_s
         if last:
@@ -83,6 +96,12 @@ def account(
             gap_start = c["last_step_at"] + lost
     fractions = {k: v / wall for k, v in time_in.items()} if wall > 0 else dict.fromkeys(time_in, 0.0)
     fractions["other"] = 1.0 - sum(fractions.values())
+    # Expected seconds a preemption at a random moment throws away, and the expected share of wall time the
+    # cadence costs (checkpointing as measured + redone work at the preemption rate), free of where they hit.
+    exposure = gap_sq_s / (2 * gap_s) if gap_s > 0 else None
+    # A SIGTERM loses nothing: the emergency checkpoint (charged to "checkpoint") is the resume point.
+    lost = 0.0 if graceful else rate_per_min / 60.0 * exposure if exposure is not None else None
+    expected = fractions["checkpoint"] + lost if lost is not None and wall > 0 else None
     return {
         "wall_s": wall,
         "executed_steps": executed,
@@ -98,4 +117,6 @@ def account(
         "mean_save_blocked_s": save_s / saves if saves else None,
         "steps_per_save": executed / saves if saves else None,
         "step_s": step_time / executed if executed else None,
+        "expected_loss_per_preemption_s": exposure,
+        "expected_cadence_overhead": expected,
     }

@@ -4,9 +4,11 @@ Heartbeats come every 0.5 s and metrics are logged asynchronously, so after a SI
 which step was the last one executed. This Session subclass writes a fixed 64-byte record with `pwrite`
 after every step, save and restore (one syscall into the page cache, which survives SIGKILL):
 
-    restored_step, restored_at, last_step, last_step_at, steps_run, save_s, saves, emergency_s
+    restored_step, restored_at, last_step, last_step_at, steps_run, save_s, saves, emergency_s, gap_s, gap_sq_s
 
 save_s and saves cover the periodic checkpoints; emergency_s the whole emergency stop (save and wait).
+gap_s and gap_sq_s sum the intervals between durable points (the restore, then each periodic checkpoint) and
+their squares: the expected work a preemption at a random moment throws away is sum(T^2) / (2 sum(T)).
 
     python -m benchmarks.goodput_train [charlm args]     # with ROLLBACK_BENCH_COUNTERS=DIR
 """
@@ -30,6 +32,8 @@ FIELDS = (
     "save_s",
     "saves",
     "emergency_s",
+    "gap_s",
+    "gap_sq_s",
 )
 _FORMAT = "<" + "d" * len(FIELDS)
 
@@ -58,6 +62,7 @@ def counting_session(base: type, directory: Path) -> type:
             self._count = dict.fromkeys(FIELDS, 0.0)
             self._fd = os.open(counter_path(directory, os.getpid()), os.O_CREAT | os.O_WRONLY, 0o644)
             self._emergency = False
+            self._durable_at = time.time()
 
         def _flush_count(self) -> None:
             os.pwrite(self._fd, struct.pack(_FORMAT, *self._count.values()), 0)
@@ -65,7 +70,7 @@ def counting_session(base: type, directory: Path) -> type:
         def restore(self) -> Any:
             info = super().restore()
             self._count.update(restored_step=self.step, restored_at=time.time(), last_step=self.step)
-            self._count["last_step_at"] = self._count["restored_at"]
+            self._count["last_step_at"] = self._durable_at = self._count["restored_at"]
             self._flush_count()
             return info
 
@@ -81,6 +86,10 @@ def counting_session(base: type, directory: Path) -> type:
             if not self._emergency:  # the emergency checkpoint is timed whole, wait included, below
                 self._count["save_s"] += time.monotonic() - started
                 self._count["saves"] += 1
+                now = time.time()
+                gap, self._durable_at = now - self._durable_at, now
+                self._count["gap_s"] += gap
+                self._count["gap_sq_s"] += gap * gap
                 self._flush_count()
 
         def _emergency_stop(self) -> None:

@@ -112,6 +112,28 @@ def test_account_counts_steps_past_the_last_checkpoint_as_unsaved():
     assert got["goodput"] == pytest.approx(60 / 80)
 
 
+def test_expected_loss_weights_long_intervals_by_how_often_a_preemption_lands_in_them():
+    # Checkpoints 2 s, 2 s and 8 s apart: a preemption at a random moment falls in the 8 s interval two times
+    # in three and loses 4 s there on average: (4 + 4 + 64) / (2 * 12) = 3 s, not the mean interval's half (2 s).
+    seg = SegmentSample(
+        T0, T_END + 1, None,
+        counter(restored_at=T0 + 10, last_step=90, last_step_at=T_END - 1, steps_run=90, save_s=2.0, saves=3,
+                gap_s=12.0, gap_sq_s=72.0),
+    )  # fmt: skip
+    got = account([seg], T0, T_END, graceful=False, useful_steps=90, rate_per_min=3.0)
+    assert got["expected_loss_per_preemption_s"] == pytest.approx(3.0)
+    # checkpoint 2 s of 100 s, plus 3 preemptions a minute losing 3 s each: 0.02 + 0.05 * 3
+    assert got["expected_cadence_overhead"] == pytest.approx(0.02 + 0.15)
+    # SIGTERM: the emergency checkpoint is the resume point, nothing is lost.
+    graceful = account([seg], T0, T_END, graceful=True, useful_steps=90, rate_per_min=3.0)
+    assert graceful["expected_cadence_overhead"] == pytest.approx(0.02)
+    # No checkpoint taken: no interval to weigh, no figure.
+    assert (
+        account(NO_PREEMPTION, T0, T_END, graceful=False, useful_steps=90)["expected_cadence_overhead"]
+        is None
+    )
+
+
 def test_arrivals_are_a_seeded_poisson_process_inside_the_horizon():
     first = arrivals(3.0, 600.0, random.Random(7))
     assert first == arrivals(3.0, 600.0, random.Random(7))
@@ -122,19 +144,27 @@ def test_arrivals_are_a_seeded_poisson_process_inside_the_horizon():
     assert arrivals(0.0, 600.0, random.Random(0)) == []
 
 
-def _run(config: str, goodput: float, useful: float, overhead: float, adaptive: bool = False) -> dict:
+def _run(
+    config: str,
+    goodput: float,
+    useful: float,
+    overhead: float,
+    adaptive: bool = False,
+    expected: float | None = None,
+) -> dict:
     return {"config": config, "signal": "kill", "adaptive": adaptive, "goodput": goodput,
-            "time_fraction": {"useful": useful, "checkpoint": overhead / 4, "redone": overhead * 3 / 4}}  # fmt: skip
+            "time_fraction": {"useful": useful, "checkpoint": overhead / 4, "redone": overhead * 3 / 4},
+            "expected_cadence_overhead": expected}  # fmt: skip
 
 
 def test_summary_compares_adaptive_with_the_best_fixed_interval_by_each_measure():
     from benchmarks.bench_goodput import summarize
 
     runs = [
-        _run("every-10", 0.99, 0.80, 0.04),
-        _run("every-25", 0.97, 0.82, 0.02),
-        _run("every-100", 0.90, 0.85, 0.08),
-        _run("adaptive-cap100", 0.95, 0.86, 0.03, True),
+        _run("every-10", 0.99, 0.80, 0.04, expected=0.030),
+        _run("every-25", 0.97, 0.82, 0.02, expected=0.025),
+        _run("every-100", 0.90, 0.85, 0.08, expected=None),  # no checkpoint: left out of the expected measure
+        _run("adaptive-cap100", 0.95, 0.86, 0.03, True, expected=0.024),
     ]
     got = summarize(runs, ["kill"])["kill"]
     assert got["best_fixed_by_goodput"] == {"config": "every-10", "goodput": 0.99}
@@ -148,6 +178,9 @@ def test_summary_compares_adaptive_with_the_best_fixed_interval_by_each_measure(
     }
     assert got["adaptive_cadence_overhead"] == pytest.approx(0.03)
     assert got["adaptive <= best fixed (cadence_overhead)"]["met"] is False
+    # Without the luck of where the preemptions landed, adaptive wins here.
+    assert got["best_fixed_by_expected_cadence_overhead"]["config"] == "every-25"
+    assert got["adaptive <= best fixed (expected_cadence_overhead)"]["met"] is True
     assert [got[f"goodput >= 0.95 ({c})"]["met"] for c in ("every-10", "every-100", "adaptive-cap100")] == [
         True, False, True,
     ]  # fmt: skip
@@ -190,6 +223,9 @@ def test_tiny_run_reports_goodput_and_time_buckets(tmp_path: Path):
     } <= run.keys()
     assert set(run["time_fraction"]) == {"startup", "restart", "checkpoint", "redone", "useful", "other"}
     assert run["preemptions"] == 1 and run["segments"] >= 2
+    # Checkpoints every 10 steps of ~0.06 s: a preemption loses about half of that on average.
+    assert 0 < run["expected_loss_per_preemption_s"] < 10 * run["step_s"]
+    assert run["expected_cadence_overhead"] >= run["time_fraction"]["checkpoint"]
     assert 0 < run["goodput"] <= 1
     assert run["useful_steps"] <= run["executed_steps"]
     assert result["summary"]["kill"]["best_fixed_by_goodput"]["config"] == "every-10"
