@@ -11,24 +11,16 @@ import torch
 
 from supervisor.checkpoint import open_store
 from supervisor.runtime import Session
+from supervisor.runtime.distributed import NullMetrics
 
 
-class GatedMetrics:
-    """The metric logger's interface. The first barrier (the first save's "metrics sent") opens when the test
-    says, or after `safety_s` so that a regression fails instead of hanging; later ones are open at once."""
+class GatedMetrics(NullMetrics):
+    """A metric logger that sends nothing. The first barrier (the first save's "metrics sent") opens when the
+    test says, or after `safety_s` so that a regression fails instead of hanging; later ones are open at once."""
 
     def __init__(self, safety_s: float = 20.0) -> None:
         self.gates: list[threading.Event] = []
         self._safety_s = safety_s
-
-    def start(self) -> None:
-        pass
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def flush(self, timeout: float = 30.0) -> bool:
-        return True
 
     def barrier(self) -> threading.Event:
         gate = threading.Event()
@@ -41,11 +33,9 @@ class GatedMetrics:
         self.gates.append(gate)
         return gate
 
-    def close(self, timeout: float = 30.0) -> None:
-        pass
-
-    def connection(self, timeout: float = 0.0) -> tuple[None, None]:
-        return None, None
+    def open_all(self) -> None:
+        for gate in self.gates:
+            gate.set()
 
 
 def _policy(tmp_path: Path, *, adaptive: bool, every_steps: int) -> Path:
@@ -67,18 +57,23 @@ def _session(tmp_path: Path, *, adaptive: bool, every_steps: int) -> tuple[Sessi
     return sess, metrics
 
 
-def _train(sess: Session, steps: int, on_step=None) -> None:
+def _train(sess: Session, metrics: GatedMetrics, steps: int, on_step=None) -> None:
+    """Train `steps` steps of a small model, calling `on_step(step)` inside each; then open every gate, close."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sess.register(model=model, optimizer=opt)
     batches = [torch.randn(4, 8) for _ in range(steps)]
-    for step, x in sess.loop(batches, max_steps=steps):
-        opt.zero_grad()
-        model(x).pow(2).mean().backward()
-        opt.step()
-        if on_step:
-            on_step(step)
+    try:
+        for step, x in sess.loop(batches, max_steps=steps):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            if on_step:
+                on_step(step)
+    finally:
+        metrics.open_all()
+        sess.close()
 
 
 def _committed_steps(sess: Session) -> list[int]:
@@ -97,12 +92,7 @@ def test_a_commit_waits_for_its_metrics_but_training_does_not(tmp_path: Path):
             sess.manager.wait()
             seen[10] = _committed_steps(sess)
 
-    try:
-        _train(sess, 12, on_step)
-    finally:
-        for gate in metrics.gates:
-            gate.set()
-        sess.close()
+    _train(sess, metrics, 12, on_step)
     # Training went on past step 5 while the step-5 commit waited for its metrics.
     assert seen[7] == [] and seen[9] == []
     assert seen[10] == [5]
@@ -120,14 +110,9 @@ def test_an_adaptive_cadence_saves_after_the_write_in_flight_instead_of_blocking
             metrics.gates[0].set()
             sess.manager.wait()  # the first checkpoint is committed now
 
-    try:
-        # Were the due save blocking on the write in flight, training would stop at step 3 until the safety
-        # timer opened the gate, and the steps trained meanwhile would be [2, 3].
-        _train(sess, 40, on_step)
-    finally:
-        for gate in metrics.gates:
-            gate.set()
-        sess.close()
+    # Were the due save blocking on the write in flight, training would stop at step 3 until the safety
+    # timer opened the gate, and the steps trained meanwhile would be [2, 3].
+    _train(sess, metrics, 40, on_step)
     first = min(_committed_steps(sess))
     assert len(metrics.gates) >= 3, "saves resumed once the first was committed"
     assert in_flight[-1] == 30 and len(in_flight) >= 25  # trained on while the first save was in flight
@@ -141,10 +126,5 @@ def test_a_fixed_cadence_keeps_its_multiples_even_when_a_write_is_in_flight(tmp_
         if step == 4:
             threading.Timer(0.5, metrics.gates[0].set).start()  # step 6's save blocks until then
 
-    try:
-        _train(sess, 12, on_step)
-    finally:
-        for gate in metrics.gates:
-            gate.set()
-        sess.close()
+    _train(sess, metrics, 12, on_step)
     assert _committed_steps(sess) == [3, 6, 9, 12]
