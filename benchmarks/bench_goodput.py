@@ -155,7 +155,7 @@ def main(
             "adaptive: Young/Daly from the measured save cost and the lineage's observed failure rate "
             "(supervisor/runtime/cadence.py): MTBF = the lineage's running time (at least 60 s) / its failures "
             "(at least 1); a segment saves after its first timed step to measure the cost; never beyond "
-            "its every_steps cap.",
+            "its every_steps cap; a due save waits for a write still in flight instead of blocking on it.",
         ],
     }
     typer.echo(write_json(result, json_path))

@@ -140,9 +140,7 @@ class CheckpointManager:
 
     def writing(self) -> bool:
         """Whether save() would now block on earlier background writes (`max_in_flight` of them pending)."""
-        while self._writes and self._writes[0].done():
-            self._writes.popleft()
-        return len(self._writes) >= self.options.max_in_flight
+        return sum(not w.done() for w in self._writes) >= self.options.max_in_flight
 
     def _write(
         self,
@@ -230,6 +228,8 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager for {self._store.root} is closed")
         while self._pending and self._pending[0].done():
             self._pending.popleft()
+        while self._writes and self._writes[0].done():
+            self._writes.popleft()
         self._raise_background()
 
     def _raise_background(self) -> None:

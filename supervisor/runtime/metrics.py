@@ -67,6 +67,11 @@ class AsyncMetricLogger:
         for key, value in metrics.items():
             self._queue.put((key, float(value), now, int(step)))
 
+    @property
+    def connected(self) -> bool:
+        """Whether opening the store is over (it succeeded, or failed and points are dropped)."""
+        return self._connected.is_set()
+
     def connection(self, timeout: float = 120.0) -> tuple[Any, str | None]:
         """`(client, run_id)` once connected; `(None, None)` if connecting failed or timed out."""
         self.start()
@@ -162,6 +167,7 @@ def _yield_cpu() -> None:
 class MetricsSent:
     """One checkpoint's "its metrics are in MLflow" condition, for the store to wait on before the commit.
 
+    A checkpoint taken while the store is still opening commits without waiting (durability first).
     The training thread asks for it once the state is copied (`ask()` after `save()` returns), not before:
     sending is an MLflow write, and started before the copy it ran beside it and doubled the time the save
     blocked training (measured on the example). A synchronous save commits inside `save()`, so the commit
@@ -180,8 +186,18 @@ class MetricsSent:
             return self._sent
 
     def wait(self) -> None:
-        """Runs before the commit (on the writer thread with async saves): wait, boundedly, for the metrics."""
-        if not self.ask().wait(self._timeout):
+        """Runs before the commit (on the writer thread with async saves): wait, boundedly, for the metrics.
+
+        Not while the store is still opening (seconds after a segment starts, longer on a busy machine): a
+        checkpoint's durability must never wait for MLflow. Its metrics follow once the store is open.
+        """
+        sent = self.ask()
+        if not self._metrics.connected:
+            log.info(
+                "checkpoint at step %d commits while MLflow is still opening; its metrics follow", self._step
+            )
+            return
+        if not sent.wait(self._timeout):
             log.warning(
                 "checkpoint at step %d commits before its metrics reached MLflow (waited %.0f s): after a "
                 "crash, MLflow may miss points up to this step",
