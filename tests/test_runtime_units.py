@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -280,54 +279,4 @@ def test_metrics_sent_is_asked_once_and_a_commit_waits_for_it_boundedly(caplog):
     logger.log({"loss": 2.0}, step=2)
     MetricsSent(logger, step=2).wait()
     assert sent == [1, 2]
-    logger.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is Linux's")
-def test_the_metric_logger_thread_yields_the_cpu_to_training():
-    import os
-    import threading
-
-    from supervisor.runtime.metrics import BACKGROUND_NICENESS, AsyncMetricLogger
-
-    class Client:
-        def log_batch(self, run_id, metrics, synchronous):
-            pass
-
-    here = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, here)
-    logger = AsyncMetricLogger(lambda: (Client(), "run-1"))
-    assert logger.flush(timeout=10)
-    # MLflow's import and sqlite work run nicer than the training step (a relaunch's first step took 3.0 s
-    # beside them at the same priority, 1.2 s niced: `bench rollback --size 100M`); training keeps its own.
-    assert os.getpriority(os.PRIO_PROCESS, logger._thread.native_id) == min(19, before + BACKGROUND_NICENESS)
-    assert os.getpriority(os.PRIO_PROCESS, here) == before
-    logger.close()
-
-
-def test_a_checkpoint_commits_without_waiting_while_mlflow_is_still_opening(caplog):
-    import logging
-    import threading
-
-    from supervisor.runtime.metrics import AsyncMetricLogger, MetricsSent
-
-    opening = threading.Event()
-
-    class Client:
-        def log_batch(self, run_id, metrics, synchronous):
-            pass
-
-    def connect():
-        assert opening.wait(30)  # a store that takes long to open (a busy machine, a slow server)
-        return Client(), "run-1"
-
-    logger = AsyncMetricLogger(connect)
-    logger.log({"loss": 1.0}, step=1)
-    sent = MetricsSent(logger, step=1, timeout=30.0)
-    with caplog.at_level(logging.INFO, "rollback_supervisor.metrics"):
-        sent.wait()  # returns at once: durability never waits for MLflow to open
-    assert "commits while MLflow is still opening" in caplog.text
-    assert not sent.ask().is_set()  # the metrics are still on their way
-    opening.set()
-    assert sent.ask().wait(10)
     logger.close()

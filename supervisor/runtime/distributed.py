@@ -196,10 +196,6 @@ class NullMetrics:
     def flush(self, timeout: float = 30.0) -> bool:
         return True
 
-    @property
-    def connected(self) -> bool:
-        return True
-
     def barrier(self) -> threading.Event:
         done = threading.Event()
         done.set()

@@ -4,16 +4,12 @@ Importing MLflow and opening its store cost seconds (the import alone is ~1-2.5 
 store another ~3 s of schema migrations). Both happen on the logger's thread, which the session starts once
 the checkpoint is restored: started earlier, the import competes with the restore for the GIL and the cores
 and delays the first resumed step (measured by `bench rollback`). Points logged before it connects queue up.
-The thread also runs at a lower CPU priority than training (Linux): at the same priority, on 2 cores, the
-import and the store opening slowed a relaunch's first 100M step from ~1.2 s to ~3 s.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -67,11 +63,6 @@ class AsyncMetricLogger:
         for key, value in metrics.items():
             self._queue.put((key, float(value), now, int(step)))
 
-    @property
-    def connected(self) -> bool:
-        """Whether opening the store is over (it succeeded, or failed and points are dropped)."""
-        return self._connected.is_set()
-
     def connection(self, timeout: float = 120.0) -> tuple[Any, str | None]:
         """`(client, run_id)` once connected; `(None, None)` if connecting failed or timed out."""
         self.start()
@@ -116,7 +107,6 @@ class AsyncMetricLogger:
             log.warning("dropped %d metric points after retries: %s", len(batch), exc)
 
     def _run(self) -> None:
-        _yield_cpu()
         try:
             self._client, self._run_id = self._open()
         except Exception as exc:  # metrics must never kill training
@@ -148,26 +138,9 @@ class AsyncMetricLogger:
             item.set()
 
 
-#: How much nicer than the training thread the logger's thread runs (Linux sets priority per thread).
-BACKGROUND_NICENESS = 10
-
-
-def _yield_cpu() -> None:
-    """Lower the calling thread's CPU priority, so that MLflow's import, store opening and sqlite writes take
-    the cores only when training leaves them idle (on Linux, where priority is per thread)."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS)
-    except OSError as exc:  # not permitted in some sandboxes: run at the normal priority
-        log.debug("could not lower the metric logger's priority: %s", exc)
-
-
 class MetricsSent:
     """One checkpoint's "its metrics are in MLflow" condition, for the store to wait on before the commit.
 
-    A checkpoint taken while the store is still opening commits without waiting (durability first).
     The training thread asks for it once the state is copied (`ask()` after `save()` returns), not before:
     sending is an MLflow write, and started before the copy it ran beside it and doubled the time the save
     blocked training (measured on the example). A synchronous save commits inside `save()`, so the commit
@@ -186,17 +159,8 @@ class MetricsSent:
             return self._sent
 
     def wait(self) -> None:
-        """Runs before the commit (on the writer thread with async saves): wait, boundedly, for the metrics.
-
-        Not while the store is still opening (seconds after a segment starts, longer on a busy machine): a
-        checkpoint's durability must never wait for MLflow. Its metrics follow once the store is open.
-        """
+        """Runs before the commit (on the writer thread with async saves): wait, boundedly, for the metrics."""
         sent = self.ask()
-        if not self._metrics.connected:
-            log.info(
-                "checkpoint at step %d commits while MLflow is still opening; its metrics follow", self._step
-            )
-            return
         if not sent.wait(self._timeout):
             log.warning(
                 "checkpoint at step %d commits before its metrics reached MLflow (waited %.0f s): after a "
