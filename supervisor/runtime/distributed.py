@@ -173,10 +173,6 @@ class ReadOnlyCheckpoints:
     def save(self, step: int, **_: Any) -> None:
         """Rank 0 writes; this rank only took part in gathering its state."""
 
-    def writing(self) -> bool:
-        """Never: nothing is written from this rank."""
-        return False
-
     def wait(self) -> None:
         """Nothing is ever pending on a read-only rank."""
 

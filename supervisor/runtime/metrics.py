@@ -31,7 +31,7 @@ class AsyncMetricLogger:
     """Batches `(key, value, step)` points into `log_batch` calls on a background thread.
 
     A batch goes out `interval` seconds after its first point (or at `max_batch` points), however fast
-    points keep coming: the monitor sees them within about `interval`, and a checkpoint's flush waits only
+    points keep coming: the monitor sees them within about `interval`, and a checkpoint's commit waits only
     for the last fraction of a second instead of sending everything since the previous checkpoint.
 
     Thread-safe: `log()` and `barrier()` may be called from any thread; `flush()` and `close()` from the owner.
