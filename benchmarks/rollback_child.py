@@ -62,7 +62,11 @@ def charlm_args(size: str, batch_size: int, threads: int | None) -> list[str]:
 
 
 def write_plan(workdir: Path, *, run_id: str | None = None, checkpoint_id: str | None = None) -> Path:
-    """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one."""
+    """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one.
+
+    The relaunch's plan names a metric spool, as `rollback-supervisor run` writes it: the process logs there
+    and the supervisor (here the benchmark, untimed) ships the points to MLflow.
+    """
     from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 
     policy = workdir / "policy.yaml"
@@ -76,6 +80,7 @@ def write_plan(workdir: Path, *, run_id: str | None = None, checkpoint_id: str |
         run_id=run_id,
         policy_path=str(policy),
         restore=RestoreSpec(checkpoint_id=checkpoint_id),
+        metrics_spool=str(workdir / "metrics" / "relaunch.jsonl") if checkpoint_id else None,
     )
     return plan.write(workdir / ("plan.json" if checkpoint_id is None else "plan-relaunch.json"))
 

@@ -29,6 +29,7 @@ from supervisor.launcher import ExitInfo, Segment
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageStore
 from supervisor.monitor import HeartbeatReader, Monitor, classify_exit
+from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.runtime.wiring import to_records
 from supervisor.tracking import adopt_tracking, bound_http_requests, default_tracking_uri, start_run
@@ -78,6 +79,7 @@ class LineageRunner:
         self.layout = LineageLayout.resolve(options.workdir, ck.storage, options.lineage, ck.remote)
         self.layout.local.mkdir(parents=True, exist_ok=True)
         (self.layout.local / "segments").mkdir(exist_ok=True)
+        self.spool_dir = self.layout.local / "metrics"
         self.store = LineageStore(self.layout.durable)
         self.local_store = (
             LineageStore(str(self.layout.local)) if self.layout.durable != str(self.layout.local) else None
@@ -119,6 +121,7 @@ class LineageRunner:
             # The count indexes this machine's events.jsonl; a lineage that moved here starts a new file.
             record["events_consumed"] = 0
         self.record = record
+        ship_leftovers(self.client, record["mlflow"]["run_id"], self.spool_dir)
         self.history = History.from_dict(record["history"]) if record["history"] else History()
         self.pending = self._decide_interrupted()
         self._save()
@@ -216,6 +219,7 @@ class LineageRunner:
             history=self.history.to_dict(),
             supervisor_pid=os.getpid(),
             lineage_seconds=running_seconds(self.record["segments"]),
+            metrics_spool=str(self.spool_dir / f"{index}.jsonl"),
         )
 
     def run_segment(self, on_line: Callable[[str, str], None] | None = None) -> SegmentResult:
@@ -242,6 +246,8 @@ class LineageRunner:
 
         started = self.clock()
         segment = Segment(self.options.command, env=env, cwd=self.options.cwd, on_line=sink)
+        # The training process appends its metrics to the spool; this ships them to the run (spool.py: why).
+        shipper = SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start()
         seg_record["pid"] = segment.pid
         self._save()
         log.info("segment %d: pid %d, restore %s", index, segment.pid, plan.restore)
@@ -291,6 +297,7 @@ class LineageRunner:
             monitor.close()
             exit_info = segment.wait()
             logfile.close()
+            shipper.drain()  # everything the segment logged is in MLflow before anyone decides or reports
         return SegmentResult(
             index, exit_info, stopped_for, started, self.clock(), _heartbeat_step(plan.heartbeat_path)
         )

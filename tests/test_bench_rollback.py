@@ -65,6 +65,7 @@ def test_summary_reports_medians_and_both_ratios():
         "target": 1.0,
         "met": True,
     }
+    assert got["step_floor"]["in_process_s/naive_restart_s"] == pytest.approx(1.0 / 11)
     assert got["in_process"]["restore_s"] == 0.1 and got["in_process"]["tiers"] == ["memory"] * 3
     assert (got["relaunch"]["session_s"], got["naive_restart"]["load_s"]) == (2.0, 1.0)
 

@@ -200,13 +200,13 @@ def test_metric_logger_connects_only_once_started_and_keeps_what_was_logged_befo
     opened = threading.Event()
     sent: list[tuple[str, float, int]] = []
 
-    class Client:
-        def log_batch(self, run_id, metrics, synchronous):
-            sent.extend((m.key, m.value, m.step) for m in metrics)
+    class Sink:
+        def send(self, points):
+            sent.extend((key, value, step) for key, value, _, step in points)
 
     def connect():
         opened.set()
-        return Client(), "run-1"
+        return Sink(), "run-1"
 
     logger = AsyncMetricLogger(connect, start=False)
     logger.log({"loss": 1.5}, step=1)
@@ -232,12 +232,12 @@ def test_metric_logger_ships_while_points_keep_coming_not_only_at_a_flush():
     batches: list[int] = []
     lock = threading.Lock()
 
-    class Client:
-        def log_batch(self, run_id, metrics, synchronous):
+    class Sink:
+        def send(self, points):
             with lock:
-                batches.append(len(metrics))
+                batches.append(len(points))
 
-    logger = AsyncMetricLogger(lambda: (Client(), "run-1"), interval=0.1)
+    logger = AsyncMetricLogger(lambda: (Sink(), "run-1"), interval=0.1)
     for step in range(60):  # a steady stream, one point every 10 ms: never 0.1 s of silence
         logger.log({"loss": float(step)}, step=step)
         _time.sleep(0.01)
@@ -259,13 +259,12 @@ def test_metrics_sent_is_asked_once_and_a_commit_waits_for_it_boundedly(caplog):
     sent: list[int] = []
     release = threading.Event()
 
-    class Client:
-        def log_batch(self, run_id, metrics, synchronous):
+    class Sink:
+        def send(self, points):
             assert release.wait(30)
-            sent.extend(m.step for m in metrics)
+            sent.extend(step for *_, step in points)
 
-    logger = AsyncMetricLogger(lambda: (Client(), "run-1"), interval=60.0)
-    assert logger.connection(timeout=10)[1] == "run-1"
+    logger = AsyncMetricLogger(lambda: (Sink(), "run-1"), interval=60.0)
     logger.log({"loss": 1.0}, step=1)
     later = MetricsSent(logger, step=1, timeout=0.3)
     first = later.ask()  # sent at once, not on the 60 s schedule

@@ -38,13 +38,18 @@ def main(
         5, "--reps", min=1, help="Repetitions per measurement (the median is reported)."
     ),
     workdir: Path | None = typer.Option(None, "--workdir", help="Scratch directory on the disk to measure."),
+    device: str = typer.Option(
+        "cpu", "--device", help="Where the model lives: cpu, or cuda (snapshots go to pinned host memory)."
+    ),
 ) -> None:
     """Measure save, restore and dedup against torch.save/torch.load; print and optionally write JSON."""
     count = parse_params(params)
+    if device not in ("cpu", "cuda"):
+        raise BenchError(f"--device: expected cpu or cuda, got {device!r}")
     from supervisor.checkpoint.benchmark import run  # torch loads only when the benchmark runs
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-") as tmp:
-        result = run(count, reps, Path(tmp))
+        result = run(count, reps, Path(tmp), device=device)
     text = json.dumps(result, indent=2)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

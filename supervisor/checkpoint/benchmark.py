@@ -25,11 +25,13 @@ TARGETS = {
 }
 
 
-def build(params: int, frozen: float = 0.0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(
+    params: int, frozen: float = 0.0, device: str = "cpu"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A stack of square Linear layers with about `params` parameters and populated AdamW state."""
     width = 2048 if params >= 50_000_000 else 1024 if params >= 5_000_000 else 256
     layers = max(1, round(params / (width * width + width)))
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
     n_frozen = int(layers * frozen)
     for layer in list(model)[:n_frozen]:
         layer.requires_grad_(False)
@@ -51,10 +53,10 @@ def perturb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
                     t.add_(1)
 
 
-def run(params: int, reps: int, workdir: Path) -> dict[str, Any]:
+def run(params: int, reps: int, workdir: Path, device: str = "cpu") -> dict[str, Any]:
     """Every measurement of the issue's table, medians of `reps` rounds, with the target ratios."""
     load_before = os.getloadavg()[0]
-    out = measure(params, reps, workdir)
+    out = measure(params, reps, workdir, device)
     out["dedup_bytes_ratio"] = dedup_ratio(params, workdir / "dedup", optimizer_state_for_frozen=True)
     out["dedup_bytes_ratio_frozen_without_optimizer_state"] = dedup_ratio(
         params, workdir / "dedup2", optimizer_state_for_frozen=False
@@ -70,14 +72,22 @@ def run(params: int, reps: int, workdir: Path) -> dict[str, Any]:
         k: {"value": v, "target": TARGETS[k], "met": v <= TARGETS[k]} for k, v in ratios.items()
     }
     out.update(reps=reps, torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count())
+    out["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if device == "cuda":
+        out["memcpy_is"] = "one device-to-host copy of state_bytes into pinned host memory"
     out["load_average_1m"] = {"start": load_before, "end": os.getloadavg()[0]}
     return out
 
 
-def measure(params: int, reps: int, workdir: Path) -> dict[str, Any]:
+def measure(params: int, reps: int, workdir: Path, device: str = "cpu") -> dict[str, Any]:
     """Timings of the store and its baselines on one model; each round measures every key once, so load
-    from other work on the host, which comes and goes, weighs on the baselines and the store alike."""
-    model, opt = build(params)
+    from other work on the host, which comes and goes, weighs on the baselines and the store alike.
+
+    On cuda every timing ends with a device synchronize, and the memcpy floor is a device-to-pinned-host copy
+    (what a snapshot must move at least); torch.load puts the tensors back on the device.
+    """
+    cuda = device == "cuda"
+    model, opt = build(params, device=device)
     state = TrainingState()
     state.register("model", model)
     state.register("optimizer", opt)
@@ -85,12 +95,16 @@ def measure(params: int, reps: int, workdir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()), "state_bytes": state_bytes}
     times: dict[str, list[float]] = defaultdict(list)
     pt = workdir / "state.pt"
-    src = torch.ones(state_bytes, dtype=torch.uint8)
-    dst = torch.zeros_like(src)
+    src = torch.ones(state_bytes, dtype=torch.uint8, device=device)
+    dst = torch.zeros(state_bytes, dtype=torch.uint8, pin_memory=cuda)
 
     def timed(key: str, fn: Callable[[], Any]) -> None:
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         times[key].append(time.perf_counter() - t0)
 
     def torch_save() -> None:

@@ -1,9 +1,11 @@
-"""Asynchronous MLflow metric logging: the training step only enqueues; a thread connects, batches and sends.
+"""Asynchronous metric logging: the training step only enqueues; a thread connects, batches and sends.
 
-Importing MLflow and opening its store cost seconds (the import alone is ~1-2.5 s of CPU here, a fresh sqlite
-store another ~3 s of schema migrations). Both happen on the logger's thread, which the session starts once
-the checkpoint is restored: started earlier, the import competes with the restore for the GIL and the cores
-and delays the first resumed step (measured by `bench rollback`). Points logged before it connects queue up.
+Where points go is the connection's sink. Under the supervisor, a spool file the supervisor ships to MLflow
+(`supervisor/spool.py`): the training process never imports MLflow. Stand-alone (or on a plan without a
+spool), MLflow itself, opened on this thread: importing MLflow and opening its store cost seconds (the import
+alone is ~1-2.5 s of CPU here, a fresh sqlite store another ~3 s of schema migrations). The session starts the
+thread once the checkpoint is restored: started earlier, the import competes with the restore for the GIL
+and the cores. Points logged before it connects queue up.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tenacity import retry, stop_after_attempt, wait_exponential
 
@@ -23,12 +25,22 @@ _STOP = object()
 #: How long a checkpoint's commit waits for the metrics logged before it to reach MLflow.
 METRICS_BEFORE_COMMIT_S = 10.0
 
-#: Opens the tracking store on the logger's thread: returns `(MlflowClient, run_id)`.
-Connect = Callable[[], tuple[Any, str]]
+#: (key, value, timestamp in ms, step)
+Point = tuple[str, float, int, int]
+
+
+class MetricSink(Protocol):
+    """Where the logger's thread sends a batch: MLflow (`MlflowSink`) or the supervisor's spool."""
+
+    def send(self, points: list[Point]) -> None: ...
+
+
+#: Opens the sink on the logger's thread: returns `(sink, run_id)`.
+Connect = Callable[[], tuple[MetricSink, str]]
 
 
 class AsyncMetricLogger:
-    """Batches `(key, value, step)` points into `log_batch` calls on a background thread.
+    """Batches `(key, value, step)` points into `sink.send` calls on a background thread.
 
     A batch goes out `interval` seconds after its first point (or at `max_batch` points), however fast
     points keep coming: the monitor sees them within about `interval`, and a checkpoint's commit waits only
@@ -41,7 +53,7 @@ class AsyncMetricLogger:
 
     def __init__(self, connect: Connect, *, max_batch: int = 500, interval: float = 0.2, start: bool = True):
         self._connect = connect
-        self._client: Any = None
+        self._sink: Any = None
         self._run_id: str | None = None
         self._connected = threading.Event()
         self._queue: queue.Queue = queue.Queue()
@@ -64,10 +76,10 @@ class AsyncMetricLogger:
             self._queue.put((key, float(value), now, int(step)))
 
     def connection(self, timeout: float = 120.0) -> tuple[Any, str | None]:
-        """`(client, run_id)` once connected; `(None, None)` if connecting failed or timed out."""
+        """`(sink, run_id)` once connected; `(None, None)` if connecting failed or timed out."""
         self.start()
         self._connected.wait(timeout)
-        return self._client, self._run_id
+        return self._sink, self._run_id
 
     def barrier(self) -> threading.Event:
         """Send every point queued before this call now; the event is set once they are sent (or dropped)."""
@@ -86,36 +98,34 @@ class AsyncMetricLogger:
         self._thread.join(timeout)
 
     @retry(stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
-    def _open(self) -> tuple[Any, str]:
+    def _open(self) -> tuple[MetricSink, str]:
         return self._connect()
 
     @retry(stop=stop_after_attempt(5), wait=wait_exponential(multiplier=0.2, max=5), reraise=True)
-    def _send(self, batch: list[Any]) -> None:
-        self._client.log_batch(self._run_id, metrics=batch, synchronous=True)
+    def _send(self, batch: list[Point]) -> None:
+        self._sink.send(batch)
 
-    def _ship(self, batch: list[tuple[str, float, int, int]]) -> None:
+    def _ship(self, batch: list[Point]) -> None:
         if not batch:
             return
-        if self._client is None:
+        if self._sink is None:
             log.warning("dropped %d metric points: the tracking store could not be opened", len(batch))
             return
-        from mlflow.entities import Metric
-
         try:
-            self._send([Metric(*point) for point in batch])
+            self._send(batch)
         except Exception as exc:  # metrics must never kill training
             log.warning("dropped %d metric points after retries: %s", len(batch), exc)
 
     def _run(self) -> None:
         try:
-            self._client, self._run_id = self._open()
+            self._sink, self._run_id = self._open()
         except Exception as exc:  # metrics must never kill training
             log.warning(
                 "could not open the MLflow tracking store after retries; metrics are dropped: %s", exc
             )
         finally:
             self._connected.set()
-        batch: list[tuple[str, float, int, int]] = []
+        batch: list[Point] = []
         deadline: float | None = None  # a batch is shipped `interval` after its first point, whatever follows
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -134,15 +144,18 @@ class AsyncMetricLogger:
             if item is None or isinstance(item, tuple):
                 continue
             if item is _STOP:
+                if hasattr(self._sink, "close"):
+                    self._sink.close()
                 return
             item.set()
 
 
 class MetricsSent:
-    """One checkpoint's "its metrics are in MLflow" condition, for the store to wait on before the commit.
+    """One checkpoint's "its metrics were sent" condition (to MLflow, or to the supervisor's spool, which it
+    ships), for the store to wait on before the commit.
 
     The training thread asks for it once the state is copied (`ask()` after `save()` returns), not before:
-    sending is an MLflow write, and started before the copy it ran beside it and doubled the time the save
+    sending to MLflow is a store write, and started before the copy it ran beside it and doubled the time the save
     blocked training (measured on the example). A synchronous save commits inside `save()`, so the commit
     asks first; whichever asks first makes the one request.
     """

@@ -49,6 +49,9 @@ class LaunchPlan:
     supervised: bool = True
     supervisor_pid: int | None = None  # the training side stops (emergency checkpoint) if it vanishes
     lineage_seconds: float = 0.0  # how long the lineage's earlier segments ran (the adaptive cadence's MTBF)
+    # Where to append metric points for the supervisor to ship to `run_id` (supervisor/spool.py); None: the
+    # training process logs to MLflow itself.
+    metrics_spool: str | None = None
 
     @property
     def events_path(self) -> Path:

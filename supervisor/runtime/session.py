@@ -28,7 +28,7 @@ from supervisor.runtime.distributed import (
 from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.metrics import AsyncMetricLogger, MetricsSent
 from supervisor.runtime.plan import LaunchPlan, load_plan
-from supervisor.runtime.tracking_run import TrackingConnection
+from supervisor.runtime.tracking_run import metric_connection
 from supervisor.runtime.wiring import apply_lr_scale, checkpoint_options, load_session_policy, to_records
 from supervisor.state import TrainingState
 
@@ -108,11 +108,11 @@ class Session:
             failures=failures_in(self.history),
             observed_s=plan.lineage_seconds,
         )
-        # Only rank 0 touches MLflow: several processes opening a fresh sqlite store race on its schema.
-        # The store is opened on the logger's thread (importing MLflow alone takes seconds), started after the
-        # restore so that it does not compete with it (see supervisor/runtime/metrics.py).
+        # Only rank 0 logs: several processes opening a fresh sqlite store race on its schema. The sink (the
+        # supervisor's spool, or MLflow) is opened on the logger's thread, started after the restore so that
+        # it does not compete with it (see supervisor/runtime/metrics.py).
         self._metrics: Any = (
-            AsyncMetricLogger(TrackingConnection(plan, run_name, self.config, self.policy.name), start=False)
+            AsyncMetricLogger(metric_connection(plan, run_name, self.config, self.policy.name), start=False)
             if writer
             else NullMetrics()
         )
@@ -467,10 +467,10 @@ class Session:
         finally:
             self._metrics.close()
             if not self.plan.supervised:
-                client, run_id = self._metrics.connection(timeout=0)
-                if client is not None and run_id is not None:
+                sink, run_id = self._metrics.connection(timeout=0)
+                if sink is not None and run_id is not None:
                     status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
-                    client.set_terminated(run_id, status=status)
+                    sink.client.set_terminated(run_id, status=status)
             if self.dist is not None and self.exit_code != exitcodes.EXIT_FAILED:
                 # Every rank got here through the same agreed stop; a failed rank's peers may be stuck in a
                 # collective instead, and torchrun tears them down.
