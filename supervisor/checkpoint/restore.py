@@ -53,6 +53,7 @@ class _Read:
     ref: TensorRef
     names: list[str]
     target: torch.Tensor | None = None
+    device_dst: torch.Tensor | None = None  # a live tensor off the CPU, copied to on the read thread
     reason: str | None = None
 
 
@@ -88,7 +89,10 @@ def restore_local(
         reads = _plan(cid, catalog, manifest, skeleton, prefixes, readers)
         live = state.live_tensors()
         for r in reads:
-            r.target = _target(r.entry, live.get(r.names[0]))
+            dst = live.get(r.names[0])
+            r.target = _target(r.entry, dst)
+            if dst is not None and dst is not r.target and dst.device.type != "cpu" and _same(dst, r.target):
+                r.device_dst = dst
         with ThreadPoolExecutor(THREADS, thread_name_prefix="ckpt-read") as pool:
             list(pool.map(lambda share: [_read(r, verify == "full") for r in share], _shares(reads)))
         tensors: dict[str, torch.Tensor] = {}
@@ -150,6 +154,10 @@ def _target(entry: BlobEntry, dst: torch.Tensor | None) -> torch.Tensor:
     return dst if fits else torch.empty(entry.shape, dtype=entry.dtype)  # type: ignore[return-value]
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype
+
+
 def _shares(reads: list[_Read]) -> list[list[_Read]]:
     """Split reads into THREADS lists of about equal bytes."""
     shares: list[list[_Read]] = [[] for _ in range(THREADS)]
@@ -174,6 +182,9 @@ def _read(r: _Read, check: bool) -> None:
             f"{r.ref.blob}: tensor {r.ref.key!r} checksum mismatch: "
             f"expected xxh3-128 {r.ref.digest}, found {digest.hexdigest()}"
         )
+    elif r.device_dst is not None:
+        # On the read thread, so host-to-device copies overlap the other threads' reads (GPU restores).
+        r.device_dst.copy_(r.target)
 
 
 def _place(r: _Read, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -182,15 +193,10 @@ def _place(r: _Read, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for i, name in enumerate(r.names):
         dst = live.get(name)
-        if (
-            dst is not None
-            and dst is not r.target
-            and dst.shape == r.target.shape
-            and dst.dtype == r.target.dtype
-        ):
-            out[name] = dst.copy_(
-                r.target
-            )  # a live tensor the bytes could not go into directly (e.g. on GPU)
+        if dst is not None and dst is r.device_dst:
+            out[name] = dst  # copied on the read thread
+        elif dst is not None and dst is not r.target and _same(dst, r.target):
+            out[name] = dst.copy_(r.target)  # a live tensor the bytes could not go into directly
         elif i == 0 or dst is r.target:
             out[name] = r.target
         else:
