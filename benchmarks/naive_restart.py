@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
     import torch
     import torch.nn.functional as F
@@ -42,14 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     charlm.deterministic()  # the same setup as the supervised example
-    model, opt, sched, loader, _ = charlm.build(args)
+    device = torch.device(a.device)
+    model, opt, sched, loader, _ = charlm.build(args, device=device)
     built = time.time()
-    state = torch.load(a.state, weights_only=True)
+    state = torch.load(a.state, weights_only=True, map_location=device)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     loaded = time.time()
     x, y = next(iter(loader))
+    x, y = x.to(device), y.to(device)
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -31,25 +31,50 @@ def _child(cmd: list[str], log: Path, env: dict[str, str], what: str) -> None:
         raise BenchRunError(f"{what} exited {proc.returncode}; the end of {log}:\n{tail}")
 
 
-def in_process(workdir: Path, size: str, batch_size: int, threads: int | None, reps: int) -> dict[str, Any]:
+def in_process(
+    workdir: Path, size: str, batch_size: int, threads: int | None, reps: int, device: str = "cpu"
+) -> dict[str, Any]:
     """One training process with `reps` injected anomalies, each rolled back in process."""
     out = workdir / "inprocess.json"
+    run_id = _create_run(workdir)
     cmd = [
         sys.executable, "-m", "benchmarks.rollback_child", "inprocess", "--workdir", str(workdir), "--size", size,
-        "--batch-size", str(batch_size), "--anomalies", str(reps), "--out", str(out),
+        "--batch-size", str(batch_size), "--anomalies", str(reps), "--out", str(out), "--device", device,
+        "--run-id", run_id,
     ] + (["--threads", str(threads)] if threads else [])  # fmt: skip
     _child(cmd, workdir / "inprocess.log", child_env(), "the in-process run")
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    _ship(workdir / "plan.json", [a["target_step"] for a in result["anomalies"]])
+    return result
 
 
-def relaunch(workdir: Path, inproc: dict[str, Any], size: str, batch_size: int, threads: int | None, i: int):
+def _create_run(workdir: Path) -> str:
+    """The lineage's MLflow run, created as `rollback-supervisor run` creates it."""
+    from mlflow.tracking import MlflowClient
+
+    from benchmarks.rollback_child import POLICY_NAME
+    from supervisor.tracking import start_run
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    return start_run(client, "rollback-supervisor", "bench-rollback", POLICY_NAME, workdir)
+
+
+def relaunch(
+    workdir: Path,
+    inproc: dict[str, Any],
+    size: str,
+    batch_size: int,
+    threads: int | None,
+    i: int,
+    device: str = "cpu",
+):
     """The example started on a plan naming the checkpoint, up to its first step; its timings."""
     from supervisor.runtime.plan import PLAN_ENV
 
     plan = write_plan(workdir, run_id=inproc["run_id"], checkpoint_id=inproc["checkpoint_id"])
     out = workdir / f"relaunch-{i}.json"
     cmd = [sys.executable, "-m", "benchmarks.rollback_child", "relaunch", "--out", str(out), "--",
-           *charlm_args(size, batch_size, threads)]  # fmt: skip
+           *charlm_args(size, batch_size, threads, device)]  # fmt: skip
     started = time.time()
     _child(cmd, workdir / "relaunch.log", child_env(**{PLAN_ENV: str(plan)}), "the relaunched example")
     m = json.loads(out.read_text())
@@ -57,7 +82,7 @@ def relaunch(workdir: Path, inproc: dict[str, Any], size: str, batch_size: int, 
         raise BenchRunError(
             f"the relaunch restored step {m.get('restored_step')}, expected {inproc['checkpoint_step']}"
         )
-    _ship(plan, inproc["checkpoint_step"])
+    _ship(plan, [inproc["checkpoint_step"]])
     return {
         "total_s": m["done"] - started,
         "ready_s": m["restored"] - started,
@@ -70,8 +95,8 @@ def relaunch(workdir: Path, inproc: dict[str, Any], size: str, batch_size: int, 
     }
 
 
-def _ship(plan_path: Path, restored_step: int) -> None:
-    """Do the supervisor's part, untimed: ship the relaunch's spool to MLflow and check its restore is there."""
+def _ship(plan_path: Path, restored_steps: list[int]) -> None:
+    """Do the supervisor's part, untimed: ship a plan's spool to MLflow and check that its restores are there."""
     from mlflow.tracking import MlflowClient
 
     from supervisor.monitor.shipper import SpoolShipper
@@ -82,18 +107,24 @@ def _ship(plan_path: Path, restored_step: int) -> None:
     if not SpoolShipper(client, plan.run_id, plan.metrics_spool).drain():
         raise BenchRunError(f"could not ship {plan.metrics_spool} to MLflow")
     steps = [m.value for m in client.get_metric_history(plan.run_id, "rollback.restored_step")]
-    if restored_step not in steps:
-        raise BenchRunError(
-            f"the relaunch's rollback.restored_step={restored_step} is not in MLflow: {steps}"
-        )
+    if not set(restored_steps) <= set(steps):
+        raise BenchRunError(f"rollback.restored_step {restored_steps} did not all reach MLflow: {steps}")
 
 
-def naive(workdir: Path, inproc: dict[str, Any], size: str, batch_size: int, threads: int | None, i: int):
+def naive(
+    workdir: Path,
+    inproc: dict[str, Any],
+    size: str,
+    batch_size: int,
+    threads: int | None,
+    i: int,
+    device: str = "cpu",
+):
     """A plain script that torch.loads the same state and takes one step; its timings."""
     out = workdir / f"naive-{i}.json"
     cmd = [
         sys.executable, "-m", "benchmarks.naive_restart", "--state", inproc["naive_path"], "--out", str(out),
-        "--size", size, "--batch-size", str(batch_size),
+        "--size", size, "--batch-size", str(batch_size), "--device", device,
     ] + (["--threads", str(threads)] if threads else [])  # fmt: skip
     started = time.time()
     _child(cmd, workdir / "naive.log", child_env(), "the naive restart")
@@ -113,20 +144,21 @@ def run(
     reps: int,
     batch_size: int = 1,
     threads: int | None = None,
+    device: str = "cpu",
     say: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Measure all three paths `reps` times (relaunch and naive interleaved) and summarise with medians."""
     load_start = os.getloadavg()[0]
     say(f"in-process: {reps} anomalies at size {size}")
-    inproc = in_process(workdir, size, batch_size, threads, reps)
+    inproc = in_process(workdir, size, batch_size, threads, reps, device)
     relaunches, naives = [], []
     for i in range(reps):
         say(f"relaunch {i + 1}/{reps}")
-        relaunches.append(relaunch(workdir, inproc, size, batch_size, threads, i))
+        relaunches.append(relaunch(workdir, inproc, size, batch_size, threads, i, device))
         say(f"naive restart {i + 1}/{reps}")
-        naives.append(naive(workdir, inproc, size, batch_size, threads, i))
+        naives.append(naive(workdir, inproc, size, batch_size, threads, i, device))
     return summarize(inproc, relaunches, naives, size=size, reps=reps, batch_size=batch_size,
-                     threads=threads, load_start=load_start)  # fmt: skip
+                     threads=threads, load_start=load_start, device=device)  # fmt: skip
 
 
 def summarize(
@@ -156,6 +188,7 @@ def summarize(
         "state_bytes": inproc["naive_bytes"],
         "batch_size": info["batch_size"],
         "threads": info["threads"],
+        "device": _device_name(info.get("device", "cpu")),
         "reps": info["reps"],
         **full,
         "step_s": median(inproc["steps_s"]),
@@ -184,19 +217,28 @@ def summarize(
             "in_process_s, relaunch_s and naive_restart_s each end when one training step has completed "
             "after the restore (step_included); step_s is the median uninterrupted step of the in-process "
             "run. excluding_step ends them when training can resume: the in-process rollback handler alone "
-            "(wait for a pending save, decide, restore from the memory ring, report), and each new process "
-            "up to its restore.",
+            "(decide, restore from the memory ring, report; a checkpoint write in flight is not waited for), "
+            "and each new process up to its restore.",
             "in_process_s: from the in-process detector firing to the first resumed step done, same PID. "
             "relaunch_s: process start -> interpreter -> imports (torch, the supervisor) -> build -> "
-            "Session set-up -> restore from disk per the plan (verify: full) -> step done; as under "
-            "`rollback-supervisor run`, its plan names a metric spool, so the process never imports MLflow and "
-            "the supervisor (here the benchmark, after the timing) ships the points to MLflow. naive_restart_s: "
+            "Session set-up -> restore from disk per the plan (verify: full) -> step done. As under "
+            "`rollback-supervisor run`, both training processes get plans naming the lineage's MLflow run and a "
+            "metric spool, so neither imports MLflow; the benchmark ships the spools after the timing and checks "
+            "that every rollback.restored_step reached MLflow. naive_restart_s: "
             "process start -> interpreter -> import torch and the model -> build -> "
             "torch.load(weights_only=True) + load_state_dict -> step done; it imports neither MLflow nor the "
             "supervisor runtime.",
             "All paths read files just written by this benchmark: warm page cache.",
         ],
     }
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name()
+    return device
 
 
 _PHASES = {

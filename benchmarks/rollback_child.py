@@ -10,7 +10,7 @@ baseline.
 `relaunch`: a fresh process on a plan naming the checkpoint, as the supervisor would start it; wall-clock
 marks at import, build, session set-up, restore and the first step, then it stops.
 
-    python -m benchmarks.rollback_child inprocess --workdir W --size 100M --anomalies 3 --out W/inprocess.json
+    python -m benchmarks.rollback_child inprocess --workdir W --size 100M --anomalies 3 --run-id R --out W/inprocess.json
     python -m benchmarks.rollback_child relaunch --out W/relaunch-0.json -- [charlm args]   # plan in env
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 #: Checkpoint every 2 steps; anomaly i poisons step 3 + 2i, is seen at 4 + 2i and rolls back to 2 + 2i.
+POLICY_NAME = "bench-rollback"
 POLICY = """\
 version: 1
 name: bench-rollback
@@ -55,17 +56,18 @@ def fault_spec(anomalies: int) -> str:
     return ",".join(f"nan@{3 + 2 * i}" for i in range(anomalies))
 
 
-def charlm_args(size: str, batch_size: int, threads: int | None) -> list[str]:
+def charlm_args(size: str, batch_size: int, threads: int | None, device: str = "cpu") -> list[str]:
     """The example's arguments shared by the in-process run and the relaunch (same config hash)."""
     args = ["--size", size, "--batch-size", str(batch_size), "--steps", str(STEPS), "--eval-every", "1000000"]
+    args += ["--device", device]
     return args + (["--threads", str(threads)] if threads else [])
 
 
-def write_plan(workdir: Path, *, run_id: str | None = None, checkpoint_id: str | None = None) -> Path:
+def write_plan(workdir: Path, *, run_id: str, checkpoint_id: str | None = None) -> Path:
     """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one.
 
-    The relaunch's plan names a metric spool, as `rollback-supervisor run` writes it: the process logs there
-    and the supervisor (here the benchmark, untimed) ships the points to MLflow.
+    Like the plans `rollback-supervisor run` writes, it names the lineage's MLflow run and a metric spool: the
+    training process logs to the spool and the supervisor (here the benchmark, untimed) ships it to MLflow.
     """
     from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 
@@ -80,7 +82,7 @@ def write_plan(workdir: Path, *, run_id: str | None = None, checkpoint_id: str |
         run_id=run_id,
         policy_path=str(policy),
         restore=RestoreSpec(checkpoint_id=checkpoint_id),
-        metrics_spool=str(workdir / "metrics" / "relaunch.jsonl") if checkpoint_id else None,
+        metrics_spool=str(workdir / "metrics" / ("relaunch.jsonl" if checkpoint_id else "inprocess.jsonl")),
     )
     return plan.write(workdir / ("plan.json" if checkpoint_id is None else "plan-relaunch.json"))
 
@@ -123,7 +125,15 @@ def timed_session(base: type, anomalies: int) -> type:
     return TimedSession
 
 
-def run(workdir: Path, size: str, batch_size: int, threads: int | None, anomalies: int) -> dict[str, Any]:
+def run(
+    workdir: Path,
+    size: str,
+    batch_size: int,
+    threads: int | None,
+    anomalies: int,
+    run_id: str,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """Train until `anomalies` in-process rollbacks are done; returns the timings and what was restored."""
     import torch
 
@@ -133,7 +143,7 @@ def run(workdir: Path, size: str, batch_size: int, threads: int | None, anomalie
     from supervisor.runtime.plan import PLAN_ENV
 
     workdir.mkdir(parents=True, exist_ok=True)
-    os.environ[PLAN_ENV] = str(write_plan(workdir))
+    os.environ[PLAN_ENV] = str(write_plan(workdir, run_id=run_id))
     os.environ[FAULTS_ENV] = fault_spec(anomalies)
     charlm = load_charlm()
     sessions: list[Any] = []
@@ -146,7 +156,7 @@ def run(workdir: Path, size: str, batch_size: int, threads: int | None, anomalie
 
     charlm.Session = Recorder
     try:
-        code = charlm.main(charlm_args(size, batch_size, threads))
+        code = charlm.main(charlm_args(size, batch_size, threads, device))
     finally:
         charlm.Session = base
     sess = sessions[0]
@@ -223,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     a_in.add_argument("--batch-size", type=int, default=1)
     a_in.add_argument("--threads", type=int, default=None)
     a_in.add_argument("--anomalies", type=int, default=3)
+    a_in.add_argument("--device", default="cpu")
+    a_in.add_argument("--run-id", required=True)
     a_in.add_argument("--out", type=Path, required=True)
     a_re = sub.add_parser("relaunch")
     a_re.add_argument("--out", type=Path, required=True)
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.mode == "relaunch":
         relaunch(a.out, [x for x in a.charlm_args if x != "--"])
         return 0
-    result = run(a.workdir.resolve(), a.size, a.batch_size, a.threads, a.anomalies)
+    result = run(a.workdir.resolve(), a.size, a.batch_size, a.threads, a.anomalies, a.run_id, a.device)
     a.out.write_text(json.dumps(result, indent=2))
     return 0
 

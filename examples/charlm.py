@@ -102,25 +102,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
+        "--device", default="cpu", help="cpu, cuda or cuda:N (under torchrun, each rank's cuda:LOCAL_RANK)"
+    )
+    p.add_argument(
         "--workdir", type=Path, default=None, help="stand-alone run directory (default .rollback/)"
     )
     p.add_argument("--policy", type=Path, default=None, help="policy YAML for stand-alone runs")
     return p.parse_args(argv)
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1), join the gloo process group; returns (rank, world_size)."""
+def setup_distributed(backend: str = "gloo") -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1), join the process group; returns (rank, world_size)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
 
-def build(args: argparse.Namespace, rank: int = 0, world_size: int = 1):
+def build(args: argparse.Namespace, rank: int = 0, world_size: int = 1, device: torch.device | None = None):
     """Model, optimizer, scheduler and loaders, all seeded from `args.seed` (and the rank, under DDP)."""
     torch.manual_seed(args.seed)
     text = args.data.read_text(encoding="utf-8")
@@ -146,7 +149,7 @@ def build(args: argparse.Namespace, rank: int = 0, world_size: int = 1):
         )
         for b in range(min(args.eval_batches, len(val) // args.batch_size))
     ]
-    model = CharLM(len(chars), d_model, n_layers, n_heads, seq_len, args.dropout)
+    model = CharLM(len(chars), d_model, n_layers, n_heads, seq_len, args.dropout).to(device or "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     if world_size > 1:
@@ -168,7 +171,9 @@ def deterministic() -> None:
 
     The public call also sets torch.compile's (inductor's) flag, which imports inductor and dynamo. This
     workload is never compiled, so it sets ATen's flag alone; a compiled script should call the public one.
+    cuBLAS is deterministic only with a fixed workspace, which must be set before CUDA starts.
     """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     setter = getattr(torch._C, "_set_deterministic_algorithms", None)
     if setter is None:
         torch.use_deterministic_algorithms(True)
@@ -182,8 +187,12 @@ def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimiz
     if args.threads:
         torch.set_num_threads(args.threads)
     deterministic()
-    rank, world_size = setup_distributed()
-    model, opt, sched, loader, val_batches = build(args, rank, world_size)
+    rank, world_size = setup_distributed("nccl" if args.device.startswith("cuda") else "gloo")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    model, opt, sched, loader, val_batches = build(args, rank, world_size, device)
+    val_batches = [(x.to(device), y.to(device)) for x, y in val_batches]
     forward = model
     if world_size > 1:
         forward = nn.parallel.DistributedDataParallel(model)
@@ -192,6 +201,7 @@ def train(args: argparse.Namespace) -> tuple[int, nn.Module, torch.optim.Optimiz
     sess.register(model=model, optimizer=opt, scheduler=sched, data=loader)
     with sess:
         for step, (x, y) in sess.loop(loader, max_steps=args.steps):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = F.cross_entropy(forward(x).flatten(0, 1), y.flatten())
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -319,3 +319,49 @@ def test_restore_into_a_fresh_optimizer_trains_identically(tmp_path, tier):
         steps = [s["step"] for s in fresh.opt.state.values()]
         assert len({id(s) for s in steps}) == len(steps)
         assert [fresh.step() for _ in range(3)] == expected
+
+
+def test_an_in_process_rollback_does_not_wait_for_a_write_in_flight(tmp_path):
+    """Rolling back to the save still being written restores its snapshot at once; it then commits as usual."""
+    import threading
+
+    t = Tiny()
+    t.step()
+    gate = threading.Event()
+    with CheckpointManager(opts(tmp_path, memory_slots=2), t.state) as mgr:
+        info = mgr.save(1, before_commit=lambda: gate.wait(30))
+        saved = t.snapshot()
+        t.step()
+        assert [p.id for p in mgr.pending()] == [info.id] and mgr.list() == []
+        restored = mgr.restore_memory(info, wait=False)
+        assert mgr.abandon_after(restored, wait=False) == []
+        assert not gate.is_set() and t.equals(saved) and t.state.step == 1  # nothing waited for the write
+        gate.set()
+        mgr.wait()
+        assert [(i.id, i.abandoned) for i in mgr.list()] == [(info.id, False)] and mgr.pending() == []
+
+
+def test_a_rollback_past_a_write_in_flight_keeps_it_from_committing(tmp_path, caplog):
+    import threading
+
+    t = Tiny()
+    t.step()
+    gate = threading.Event()
+    with CheckpointManager(opts(tmp_path, memory_slots=2), t.state) as mgr:
+        good = mgr.save(1)
+        mgr.wait()
+        saved = t.snapshot()
+        t.step()
+        bad = mgr.save(2, before_commit=lambda: gate.wait(30))  # say the damage was already in this state
+        restored = mgr.restore_memory(good, wait=False)
+        caplog.set_level(logging.INFO, LOGGER)
+        gone = mgr.abandon_after(restored, wait=False)
+        assert [(i.id, i.abandoned) for i in gone] == [(bad.id, True)] and not gate.is_set()
+        assert t.equals(saved) and mgr.pending() == []  # no longer a candidate for the next decision
+        gate.set()
+        mgr.wait()  # refused at its commit gate: not an error
+        assert [i.id for i in mgr.list()] == [good.id]
+        assert f"Checkpoint {bad.id} not committed: a rollback went past it" in caplog.text
+        assert mgr.save(2).parent_id == good.id  # the new branch hangs off the rollback target
+        mgr.wait()
+        assert [i.step for i in mgr.list()] == [1, 2]

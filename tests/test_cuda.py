@@ -1,12 +1,18 @@
 """CUDA paths: CUDA RNG streams, snapshots of device tensors into pinned host memory, GradScaler under fp16
-autocast, and a bit-exact resume on the GPU from the memory tier and from disk.
+autocast, a bit-exact resume on the GPU from the memory tier and from disk, and the example on the GPU through
+the training-side API: a SIGKILL and relaunch that ends bit-identical, and an in-process rollback.
 
 Skipped where there is no GPU (CI has none); run on a GPU machine with `pytest tests/test_cuda.py`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
+from supervisor.spool import SpoolReader
 from supervisor.state import TrainingState, capture_rng, restore_rng
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -102,3 +109,92 @@ def test_resume_on_the_gpu_is_bit_identical(tmp_path, tier):
     assert all(torch.equal(a, b) for a, b in zip(run.params(), final, strict=True))
     assert run.scaler.get_scale() == scale
     assert all(p.is_cuda for p in run.model.parameters())
+
+
+# -- the example on the GPU through the training-side API (no MLflow needed: the plan names a spool) --------
+
+REPO = Path(__file__).resolve().parents[1]
+POLICY = """\
+version: 1
+name: cuda-test
+checkpoint: {every_steps: 10, keep_last: 10, async: true, memory_slots: 1, storage: ./checkpoints}
+monitor:
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+rules:
+  - when: [non_finite]
+    action: rollback
+    target: {select: latest}
+"""
+
+
+def _charlm(workdir: Path, steps: int, faults: str = "") -> subprocess.CompletedProcess:
+    """One segment of the example on cuda; a relaunch on the same workdir restores the latest checkpoint."""
+    from supervisor.runtime.faults import FAULTS_ENV
+    from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "policy.yaml").write_text(POLICY)
+    segment = len(list(workdir.glob("plan-*.json")))
+    plan = LaunchPlan(
+        lineage="cuda",
+        workdir=str(workdir),
+        checkpoint_dir=str(workdir / "checkpoints"),
+        tracking_uri=f"sqlite:///{workdir / 'unused.db'}",
+        run_id="cuda-run",
+        segment=segment,
+        policy_path=str(workdir / "policy.yaml"),
+        metrics_spool=str(workdir / "metrics" / f"{segment}.jsonl"),
+    ).write(workdir / f"plan-{segment}.json")
+    env = {**os.environ, PLAN_ENV: str(plan), FAULTS_ENV: faults}
+    cmd = [sys.executable, str(REPO / "examples" / "charlm.py"), "--device", "cuda", "--size", "small",
+           "--batch-size", "8", "--steps", str(steps), "--eval-every", "1000"]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _final_digests(workdir: Path) -> tuple[int, dict[str, str]]:
+    from supervisor.checkpoint import open_store
+
+    catalog = open_store(workdir / "checkpoints")
+    info = catalog.latest()
+    assert info is not None
+    return info.step, {name: ref.digest for name, ref in catalog.manifest(info.id).tensors.items()}
+
+
+def _losses(workdir: Path) -> dict[int, float]:
+    """The last loss logged for each step, over every segment's spool."""
+    out = {}
+    for path in sorted((workdir / "metrics").glob("*.jsonl")):
+        points, _ = SpoolReader(path).pending(limit=1_000_000)
+        out.update({step: value for key, value, _, step in points if key == "loss"})
+    return out
+
+
+def test_the_example_resumes_bit_identically_on_the_gpu_after_a_sigkill(tmp_path):
+    clean = _charlm(tmp_path / "clean", 40)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    killed = _charlm(tmp_path / "killed", 40, faults="kill@25")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _charlm(tmp_path / "killed", 40)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    points, _ = SpoolReader(tmp_path / "killed" / "metrics" / "1.jsonl").pending(limit=1_000_000)
+    assert ("rollback.restored_step", 20.0) in {(k, v) for k, v, _, _ in points}
+    step, digests = _final_digests(tmp_path / "clean")
+    assert step == 40 and any(name.startswith("rng.cuda") for name in digests)
+    assert _final_digests(tmp_path / "killed") == (step, digests)  # every tensor, bit for bit
+    assert _losses(tmp_path / "killed") == _losses(tmp_path / "clean")
+
+
+def test_the_example_rolls_back_in_process_on_the_gpu(tmp_path):
+    proc = _charlm(tmp_path, 30, faults="nan@15")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (report,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines() if line]
+    assert report["tier"] == "memory" and report["decision"]["target_step"] == 10
+    points, _ = SpoolReader(tmp_path / "metrics" / "0.jsonl").pending(limit=1_000_000)
+    loss = [(step, value) for key, value, _, step in points if key == "loss"]
+    nan_steps = [step for step, value in loss if math.isnan(value)]
+    assert nan_steps == [16]  # the poisoned step 15 made the weights NaN; step 16's loss showed it
+    assert [step for step, _ in loss] == list(range(1, 17)) + list(range(11, 31))  # 11-16 trained again
+    final = _losses(tmp_path)
+    assert all(math.isfinite(v) for v in final.values()) and final[30] < final[1]
+    assert ("rollback.restored_step", 10.0) in {(k, v) for k, v, _, _ in points}

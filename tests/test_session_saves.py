@@ -128,3 +128,47 @@ def test_a_fixed_cadence_keeps_its_multiples_even_when_a_write_is_in_flight(tmp_
 
     _train(sess, metrics, 12, on_step)
     assert _committed_steps(sess) == [3, 6, 9, 12]
+
+
+def test_an_in_process_rollback_restores_the_save_in_flight_without_waiting_for_its_write(tmp_path: Path):
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\nname: fast-path\n"
+        "checkpoint: {every_steps: 5, keep_last: 50}\n"
+        "monitor: {detectors: [{type: non_finite, metrics: [loss]}]}\n"
+        "rules: [{when: [non_finite], action: rollback, target: {select: latest}}]\n"
+    )
+    sess = Session.attach(workdir=tmp_path / "work", policy=policy)
+    sess._metrics = metrics = GatedMetrics()  # step 5's commit is held until the test opens the gate
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sess.register(model=model, optimizer=opt)
+    batches = [torch.randn(4, 8) for _ in range(12)]
+    trained: list[tuple[int, bool]] = []
+    saved_at_5 = resumed_from = committed_then = None
+    try:
+        for step, x in sess.loop(batches, max_steps=12):
+            if step == 6 and sess.rollbacks_in_process:
+                resumed_from = model.weight.detach().clone()
+                committed_then = _committed_steps(sess)
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            if step == 5:
+                saved_at_5 = model.weight.detach().clone()  # what step 5's checkpoint holds
+            trained.append((step, bool(metrics.gates) and metrics.gates[0].is_set()))
+            sess.log(loss=float("nan") if step == 7 and not sess.rollbacks_in_process else loss.item())
+            if step == 9:
+                metrics.gates[0].set()  # the save at step 10 would otherwise block on step 5's write
+    finally:
+        metrics.open_all()
+        sess.close()
+    # Step 7's NaN rolled back to step 5 while step 5's write was still held (up to a 20 s safety timer, which
+    # the old handler waited for): training went on at once, from step 5's state, and step 5 then committed.
+    assert sess.rollbacks_in_process == 1
+    assert trained[:9] == [(s, False) for s in (1, 2, 3, 4, 5, 6, 7, 6, 7)]
+    assert committed_then == []  # the old handler waited for the write (10 s, then committed without metrics)
+    assert resumed_from is not None and torch.equal(resumed_from, saved_at_5)
+    assert _committed_steps(sess)[0] == 5

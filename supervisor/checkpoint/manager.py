@@ -44,7 +44,9 @@ class CheckpointManager:
       commit, so a committed checkpoint implies it without training waiting for it.
     - The snapshot aliases no live tensor: training may change the state as soon as save() returns.
     - A background failure is raised as BackgroundSaveError by the next save/restore/wait/close call.
-    - restore(), restore_memory() and abandon_after() first wait for pending saves.
+    - restore(), restore_memory() and abandon_after() first wait for pending saves. An in-process rollback
+      passes `wait=False` to the last two and does not wait for a write: a save in flight is restorable from
+      the ring at once (`pending()`), and one that the rollback goes past is never committed.
     - One manager per directory (an exclusive lock); other processes read with open_store().
     """
 
@@ -70,6 +72,11 @@ class CheckpointManager:
         self._slots = threading.BoundedSemaphore(options.max_in_flight)
         self._lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []
+        # Async saves not yet committed: id -> (info, write future). `_committing`: past the gate below, so
+        # about to commit; `_abandon_on_commit`: a rollback went past them, so the gate refuses the commit.
+        self._inflight: dict[str, tuple[CheckpointInfo, Future[Any] | None]] = {}
+        self._committing: set[str] = set()
+        self._abandon_on_commit: set[str] = set()
         self._protected: set[str] = set()
         self._uploading: set[str] = set()
         self._manifests: dict[str, Manifest] = {}
@@ -122,7 +129,12 @@ class CheckpointManager:
             except BaseException:
                 self._slots.release()
                 raise
+            with self._lock:
+                self._inflight[cid] = (replace(info, nbytes=snap.nbytes), None)
             write = self._writer.submit(self._write, meta, snap.skeleton, snap.tensors, snap, before_commit)
+            with self._lock:
+                if cid in self._inflight:
+                    self._inflight[cid] = (self._inflight[cid][0], write)
             self._pending.append(write)
             self._writes.append(write)
         else:
@@ -151,8 +163,10 @@ class CheckpointManager:
         before_commit: Callable[[], Any] | None = None,
     ) -> None:
         started = time.monotonic()
+        abandoned = False
         try:
-            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index, before_commit)
+            gate = lambda: self._gate(meta.id, before_commit)  # noqa: E731
+            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index, gate)
             self._manifests[meta.id] = manifest
             if self._index is not None:
                 self._index.add(manifest)
@@ -169,18 +183,41 @@ class CheckpointManager:
                     self._uploading.add(meta.id)
                 self._pending.append(self._uploader.submit(self._upload, manifest))
             self._retain()
+        except _Abandoned:
+            abandoned = True
+            log.info("Checkpoint %s not committed: a rollback went past it", meta.id)
         except BaseException as exc:
             if self._writer is None:
                 raise
             with self._lock:
                 self._errors.append((meta.id, exc))
         finally:
+            with self._lock:
+                self._inflight.pop(meta.id, None)
+                self._committing.discard(meta.id)
             if snap is not None:
                 self._ring.release(snap)
-                if not self.options.memory_slots:
+                if abandoned or not self.options.memory_slots:
                     self._ring.drop(meta.id)
             if self._writer is not None:
                 self._slots.release()
+
+    def _gate(self, cid: str, before_commit: Callable[[], Any] | None) -> None:
+        """Just before the commit, on the writer thread: the caller's hook, then refuse if rolled back past."""
+        if before_commit is not None:
+            before_commit()
+        with self._lock:
+            if cid in self._abandon_on_commit:
+                self._abandon_on_commit.discard(cid)
+                raise _Abandoned(cid)
+            self._committing.add(cid)
+
+    def pending(self) -> list[CheckpointInfo]:
+        """Saves still being written, oldest first, that the memory ring holds: restorable now, committed soon."""
+        with self._lock:
+            infos = [info for info, _ in self._inflight.values() if info.id not in self._abandon_on_commit]
+        held = {s.id for s in self._ring.snapshots()}
+        return sorted((i for i in infos if i.id in held), key=lambda i: i.seq)
 
     def _policy(self) -> Any:
         with self._lock:
@@ -336,10 +373,13 @@ class CheckpointManager:
         return info
 
     def restore_memory(
-        self, which: Which = "latest", *, prefixes: Iterable[str] | None = None
+        self, which: Which = "latest", *, prefixes: Iterable[str] | None = None, wait: bool = True
     ) -> CheckpointInfo:
-        """Restore from the host-memory ring only (fast in-process rollback); CheckpointNotFound if absent."""
-        self.wait()
+        """Restore from the host-memory ring only (fast in-process rollback); CheckpointNotFound if absent.
+
+        `wait=False` does not wait for writes in flight: their snapshots are restorable already.
+        """
+        self.wait() if wait else self._check()
         snaps = self._ring.snapshots()
         abandoned = {i.id for i in self._catalog.list() if i.abandoned}
         if which == "latest":
@@ -372,12 +412,25 @@ class CheckpointManager:
         with self._lock:
             self._protected -= set(ids)
 
-    def abandon_after(self, which: Which) -> list[CheckpointInfo]:
-        """After rolling back to `which`, mark every later commit abandoned (persistently); returns them."""
-        self.wait()
-        target = self._resolve(which)
+    def abandon_after(self, which: Which, *, wait: bool = True) -> list[CheckpointInfo]:
+        """After rolling back to `which`, mark every later commit abandoned (persistently); returns them.
+
+        `wait=False` does not wait for writes in flight: a later one is refused its commit instead (or, if it
+        is committing at this moment, waited for and then marked), and `which` may itself be in flight.
+        """
+        self.wait() if wait else self._check()
+        target = self._resolve_any(which)
         if target.abandoned:
             raise CheckpointError(f"abandon_after(): checkpoint {target.id} is itself abandoned")
+        with self._lock:
+            later = [(info, write) for info, write in self._inflight.values() if info.seq > target.seq]
+            landing = [write for info, write in later if info.id in self._committing and write is not None]
+            refused = [info for info, _ in later if info.id not in self._committing]
+            self._abandon_on_commit |= {info.id for info in refused}
+        for write in landing:
+            write.exception()  # its commit is under way: let it land, then mark it below
+        for info in refused:
+            log.info("Abandoned checkpoint %s before its commit (rolled back to %s)", info.id, target.id)
         gone = [i for i in self._tiers.list() if i.seq > target.seq and not i.abandoned]
         for info in gone:
             reason = f"rolled back to {target.id}"
@@ -388,7 +441,18 @@ class CheckpointManager:
             self._ring.drop(info.id)
             log.info("Abandoned checkpoint %s (%s)", info.id, reason)
         self._parent, self._last = target.id, target
-        return [replace(i, abandoned=True) for i in gone]
+        return [replace(i, abandoned=True) for i in [*gone, *refused]]
+
+    def _resolve_any(self, which: Which) -> CheckpointInfo:
+        """A checkpoint still being written, or a committed one (a write commits before it leaves _inflight)."""
+        cid = which.id if isinstance(which, CheckpointInfo) else which
+        with self._lock:
+            held = self._inflight.get(cid)
+        return held[0] if held is not None else self._resolve(cid)
+
+
+class _Abandoned(Exception):
+    """Raised at a checkpoint's commit gate when a rollback went past it: it is not committed."""
 
 
 __all__ = ["CheckpointManager"]

@@ -373,15 +373,20 @@ class Session:
     def _handle_anomaly(self, event: Event) -> None:
         from policies import decide
 
-        self.manager.wait()
-        decision = decide(self.policy, event, self.history, to_records(self.manager.list()), now=time.time())
+        # A write in flight is not waited for (on a GPU a step is far shorter than a write): its snapshot is in
+        # the memory ring, so it is a candidate now, and a rollback past it keeps it from committing.
+        known = self.manager.list() + self.manager.pending()
+        decision = decide(self.policy, event, self.history, to_records(known), now=time.time())
         log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
         if decision.action == "rollback" and decision.target_id is not None:
             t0 = time.monotonic()
-            target = self.manager.get(decision.target_id)
+            target = next(i for i in known if i.id == decision.target_id)
             in_ring = "memory" in target.tiers
-            info = self.manager.restore(target)  # the fastest valid tier: memory ring, then disk
-            self.manager.abandon_after(info)
+            if in_ring:
+                info = self.manager.restore_memory(target, wait=False)
+            else:
+                info = self.manager.restore(target)  # from disk, once pending writes are done
+            self.manager.abandon_after(info, wait=False)
             self.step = self.state.step
             self.history = self.history.record(event, decision, time.time())
             self.rollbacks_in_process += 1
