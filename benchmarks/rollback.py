@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import BenchRunError, child_env, machine, median, ratio, target
-from benchmarks.rollback_child import charlm_args, write_plan
+from benchmarks.rollback_child import Example, write_plan
 
 TARGETS = {"in_process_s/naive_restart_s": 0.1, "relaunch_s/naive_restart_s": 1.0}
 CHILD_TIMEOUT_S = 3600.0
@@ -31,17 +31,12 @@ def _child(cmd: list[str], log: Path, env: dict[str, str], what: str) -> None:
         raise BenchRunError(f"{what} exited {proc.returncode}; the end of {log}:\n{tail}")
 
 
-def in_process(
-    workdir: Path, size: str, batch_size: int, threads: int | None, reps: int, device: str = "cpu"
-) -> dict[str, Any]:
+def in_process(workdir: Path, example: Example, reps: int) -> dict[str, Any]:
     """One training process with `reps` injected anomalies, each rolled back in process."""
     out = workdir / "inprocess.json"
     run_id = _create_run(workdir)
-    cmd = [
-        sys.executable, "-m", "benchmarks.rollback_child", "inprocess", "--workdir", str(workdir), "--size", size,
-        "--batch-size", str(batch_size), "--anomalies", str(reps), "--out", str(out), "--device", device,
-        "--run-id", run_id,
-    ] + (["--threads", str(threads)] if threads else [])  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.rollback_child", "inprocess", "--workdir", str(workdir),
+           "--anomalies", str(reps), "--out", str(out), "--run-id", run_id, *example.options()]  # fmt: skip
     _child(cmd, workdir / "inprocess.log", child_env(), "the in-process run")
     result = json.loads(out.read_text())
     _ship(workdir / "plan.json", [a["target_step"] for a in result["anomalies"]])
@@ -59,22 +54,14 @@ def _create_run(workdir: Path) -> str:
     return start_run(client, "rollback-supervisor", "bench-rollback", POLICY_NAME, workdir)
 
 
-def relaunch(
-    workdir: Path,
-    inproc: dict[str, Any],
-    size: str,
-    batch_size: int,
-    threads: int | None,
-    i: int,
-    device: str = "cpu",
-):
+def relaunch(workdir: Path, inproc: dict[str, Any], example: Example, i: int) -> dict[str, float]:
     """The example started on a plan naming the checkpoint, up to its first step; its timings."""
     from supervisor.runtime.plan import PLAN_ENV
 
     plan = write_plan(workdir, run_id=inproc["run_id"], checkpoint_id=inproc["checkpoint_id"])
     out = workdir / f"relaunch-{i}.json"
     cmd = [sys.executable, "-m", "benchmarks.rollback_child", "relaunch", "--out", str(out), "--",
-           *charlm_args(size, batch_size, threads, device)]  # fmt: skip
+           *example.charlm_args()]  # fmt: skip
     started = time.time()
     _child(cmd, workdir / "relaunch.log", child_env(**{PLAN_ENV: str(plan)}), "the relaunched example")
     m = json.loads(out.read_text())
@@ -111,21 +98,11 @@ def _ship(plan_path: Path, restored_steps: list[int]) -> None:
         raise BenchRunError(f"rollback.restored_step {restored_steps} did not all reach MLflow: {steps}")
 
 
-def naive(
-    workdir: Path,
-    inproc: dict[str, Any],
-    size: str,
-    batch_size: int,
-    threads: int | None,
-    i: int,
-    device: str = "cpu",
-):
+def naive(workdir: Path, inproc: dict[str, Any], example: Example, i: int) -> dict[str, Any]:
     """A plain script that torch.loads the same state and takes one step; its timings."""
     out = workdir / f"naive-{i}.json"
-    cmd = [
-        sys.executable, "-m", "benchmarks.naive_restart", "--state", inproc["naive_path"], "--out", str(out),
-        "--size", size, "--batch-size", str(batch_size), "--device", device,
-    ] + (["--threads", str(threads)] if threads else [])  # fmt: skip
+    cmd = [sys.executable, "-m", "benchmarks.naive_restart", "--state", inproc["naive_path"], "--out", str(out),
+           *example.options()]  # fmt: skip
     started = time.time()
     _child(cmd, workdir / "naive.log", child_env(), "the naive restart")
     timings = json.loads(out.read_text())
@@ -150,13 +127,14 @@ def run(
     """Measure all three paths `reps` times (relaunch and naive interleaved) and summarise with medians."""
     load_start = os.getloadavg()[0]
     say(f"in-process: {reps} anomalies at size {size}")
-    inproc = in_process(workdir, size, batch_size, threads, reps, device)
+    example = Example(size, batch_size, threads, device)
+    inproc = in_process(workdir, example, reps)
     relaunches, naives = [], []
     for i in range(reps):
         say(f"relaunch {i + 1}/{reps}")
-        relaunches.append(relaunch(workdir, inproc, size, batch_size, threads, i, device))
+        relaunches.append(relaunch(workdir, inproc, example, i))
         say(f"naive restart {i + 1}/{reps}")
-        naives.append(naive(workdir, inproc, size, batch_size, threads, i, device))
+        naives.append(naive(workdir, inproc, example, i))
     return summarize(inproc, relaunches, naives, size=size, reps=reps, batch_size=batch_size,
                      threads=threads, load_start=load_start, device=device)  # fmt: skip
 

@@ -25,6 +25,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -56,11 +57,22 @@ def fault_spec(anomalies: int) -> str:
     return ",".join(f"nan@{3 + 2 * i}" for i in range(anomalies))
 
 
-def charlm_args(size: str, batch_size: int, threads: int | None, device: str = "cpu") -> list[str]:
-    """The example's arguments shared by the in-process run and the relaunch (same config hash)."""
-    args = ["--size", size, "--batch-size", str(batch_size), "--steps", str(STEPS), "--eval-every", "1000000"]
-    args += ["--device", device]
-    return args + (["--threads", str(threads)] if threads else [])
+@dataclass(frozen=True)
+class Example:
+    """The example's configuration, the same for every child (same config hash, so the relaunch restores)."""
+
+    size: str
+    batch_size: int = 1
+    threads: int | None = None
+    device: str = "cpu"
+
+    def options(self) -> list[str]:
+        """The options the children and the naive script take: size, batch size, device, threads."""
+        out = ["--size", self.size, "--batch-size", str(self.batch_size), "--device", self.device]
+        return out + (["--threads", str(self.threads)] if self.threads else [])
+
+    def charlm_args(self) -> list[str]:
+        return [*self.options(), "--steps", str(STEPS), "--eval-every", "1000000"]
 
 
 def write_plan(workdir: Path, *, run_id: str, checkpoint_id: str | None = None) -> Path:
@@ -156,7 +168,7 @@ def run(
 
     charlm.Session = Recorder
     try:
-        code = charlm.main(charlm_args(size, batch_size, threads, device))
+        code = charlm.main(Example(size, batch_size, threads, device).charlm_args())
     finally:
         charlm.Session = base
     sess = sessions[0]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
 from supervisor.spool import SpoolReader
 from supervisor.state import TrainingState, capture_rng, restore_rng
+from tests.segmentkit import segment_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -114,39 +115,11 @@ def test_resume_on_the_gpu_is_bit_identical(tmp_path, tier):
 # -- the example on the GPU through the training-side API (no MLflow needed: the plan names a spool) --------
 
 REPO = Path(__file__).resolve().parents[1]
-POLICY = """\
-version: 1
-name: cuda-test
-checkpoint: {every_steps: 10, keep_last: 10, async: true, memory_slots: 1, storage: ./checkpoints}
-monitor:
-  detectors:
-    - {type: non_finite, metrics: [loss]}
-rules:
-  - when: [non_finite]
-    action: rollback
-    target: {select: latest}
-"""
 
 
 def _charlm(workdir: Path, steps: int, faults: str = "") -> subprocess.CompletedProcess:
     """One segment of the example on cuda; a relaunch on the same workdir restores the latest checkpoint."""
-    from supervisor.runtime.faults import FAULTS_ENV
-    from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "policy.yaml").write_text(POLICY)
-    segment = len(list(workdir.glob("plan-*.json")))
-    plan = LaunchPlan(
-        lineage="cuda",
-        workdir=str(workdir),
-        checkpoint_dir=str(workdir / "checkpoints"),
-        tracking_uri=f"sqlite:///{workdir / 'unused.db'}",
-        run_id="cuda-run",
-        segment=segment,
-        policy_path=str(workdir / "policy.yaml"),
-        metrics_spool=str(workdir / "metrics" / f"{segment}.jsonl"),
-    ).write(workdir / f"plan-{segment}.json")
-    env = {**os.environ, PLAN_ENV: str(plan), FAULTS_ENV: faults}
+    env = segment_env(workdir, "cuda-run", f"sqlite:///{workdir / 'unused.db'}", faults)
     cmd = [sys.executable, str(REPO / "examples" / "charlm.py"), "--device", "cuda", "--size", "small",
            "--batch-size", "8", "--steps", str(steps), "--eval-every", "1000"]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
 from supervisor.spool import SpoolReader, SpoolWriter
+from tests.segmentkit import segment_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,19 +95,6 @@ def test_the_shipping_thread_ships_while_the_segment_runs_and_leftovers_are_ship
     assert _history(client, run_id, "loss") == [(1, 2.0), (2, 1.0)]
 
 
-POLICY = """\
-version: 1
-name: spool-test
-checkpoint: {every_steps: 10, keep_last: 5, async: true, storage: ./checkpoints}
-monitor:
-  detectors:
-    - {type: non_finite, metrics: [loss]}
-rules:
-  - when: [non_finite]
-    action: rollback
-    target: {select: latest}
-"""
-
 RUNNER = (
     "import json, sys; sys.path.insert(0, 'examples'); import charlm; code = charlm.main(sys.argv[1:]); "
     "print('MLFLOW-MODULES', json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))); "
@@ -118,21 +105,7 @@ RUNNER = (
 def _train(
     tmp_path: Path, run_id: str, uri: str, *args: str, faults: str = ""
 ) -> subprocess.CompletedProcess:
-    from supervisor.runtime.faults import FAULTS_ENV
-    from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
-
-    (tmp_path / "policy.yaml").write_text(POLICY)
-    plan = LaunchPlan(
-        lineage="spool",
-        workdir=str(tmp_path),
-        checkpoint_dir=str(tmp_path / "checkpoints"),
-        tracking_uri=uri,
-        run_id=run_id,
-        policy_path=str(tmp_path / "policy.yaml"),
-        metrics_spool=str(tmp_path / "metrics" / "0.jsonl"),
-    ).write(tmp_path / "plan.json")
-    env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
-    env.update({PLAN_ENV: str(plan), FAULTS_ENV: faults})
+    env = segment_env(tmp_path, run_id, uri, faults)
     cmd = [sys.executable, "-c", RUNNER, "--size", "tiny", "--batch-size", "4", "--eval-every", "1000", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
