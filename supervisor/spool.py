@@ -5,8 +5,8 @@ Why: importing MLflow and opening its store cost ~2 s of CPU (`bench rollback`, 
 process that did it on its logger thread took its first resumed step ~0.7 s slower than a plain restart,
 because the import competed with the step for the cores and the GIL. The supervisor already has MLflow
 open, so under it the training process never imports MLflow: it writes lines here, and a checkpoint's
-commit waits only for those lines to reach the file (a SIGKILL then loses none of them; the old in-process
-queue lost what it had not sent yet).
+commit waits only for those lines to reach the file: lines in the file survive a SIGKILL of the training
+process, while the old in-process queue lost what it had not yet sent to MLflow.
 
 Format: one JSON array per line, `[key, value, timestamp_ms, step]`; NaN and infinities are written as
 JSON's `NaN`/`Infinity` extensions, which Python reads back. A writer appends whole lines with one
