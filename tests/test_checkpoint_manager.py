@@ -333,12 +333,14 @@ def test_an_in_process_rollback_does_not_wait_for_a_write_in_flight(tmp_path):
         saved = t.snapshot()
         t.step()
         assert [p.id for p in mgr.pending()] == [info.id] and mgr.list() == []
+        assert [c.id for c in mgr.candidates()] == [info.id]
         restored = mgr.restore_memory(info, wait=False)
         assert mgr.abandon_after(restored, wait=False) == []
         assert not gate.is_set() and t.equals(saved) and t.state.step == 1  # nothing waited for the write
         gate.set()
         mgr.wait()
         assert [(i.id, i.abandoned) for i in mgr.list()] == [(info.id, False)] and mgr.pending() == []
+        assert [c.id for c in mgr.candidates()] == [info.id]  # once, now as a commit
 
 
 def test_a_rollback_past_a_write_in_flight_keeps_it_from_committing(tmp_path, caplog):
@@ -358,6 +360,7 @@ def test_a_rollback_past_a_write_in_flight_keeps_it_from_committing(tmp_path, ca
         gone = mgr.abandon_after(restored, wait=False)
         assert [(i.id, i.abandoned) for i in gone] == [(bad.id, True)] and not gate.is_set()
         assert t.equals(saved) and mgr.pending() == []  # no longer a candidate for the next decision
+        assert mgr.restore_memory("latest", wait=False).id == good.id  # nor the latest snapshot
         gate.set()
         mgr.wait()  # refused at its commit gate: not an error
         assert [i.id for i in mgr.list()] == [good.id]

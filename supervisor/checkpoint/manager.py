@@ -212,6 +212,13 @@ class CheckpointManager:
                 raise _Abandoned(cid)
             self._committing.add(cid)
 
+    def candidates(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, then the saves still being written (`pending()`): all restorable right now."""
+        pending = self.pending()  # first: a save that commits meanwhile is then listed as committed
+        committed = self.list()
+        seen = {i.id for i in committed}
+        return committed + [p for p in pending if p.id not in seen]
+
     def pending(self) -> list[CheckpointInfo]:
         """Saves still being written, oldest first, that the memory ring holds: restorable now, committed soon."""
         with self._lock:
@@ -382,6 +389,8 @@ class CheckpointManager:
         self.wait() if wait else self._check()
         snaps = self._ring.snapshots()
         abandoned = {i.id for i in self._catalog.list() if i.abandoned}
+        with self._lock:
+            abandoned |= self._abandon_on_commit
         if which == "latest":
             live = [s for s in snaps if s.id not in abandoned]
             if not live:

@@ -373,9 +373,7 @@ class Session:
     def _handle_anomaly(self, event: Event) -> None:
         from policies import decide
 
-        # A write in flight is not waited for (on a GPU a step is far shorter than a write): its snapshot is in
-        # the memory ring, so it is a candidate now, and a rollback past it keeps it from committing.
-        known = self.manager.list() + self.manager.pending()
+        known = self.manager.candidates()  # writes in flight included: never waited for (ARCHITECTURE.md)
         decision = decide(self.policy, event, self.history, to_records(known), now=time.time())
         log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
         if decision.action == "rollback" and decision.target_id is not None:
