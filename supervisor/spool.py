@@ -70,21 +70,26 @@ class SpoolReader:
             )
             return 0
 
-    def pending(self, limit: int) -> tuple[list[Point], int]:
-        """Up to `limit` complete points after the shipped offset, and the offset just after the last one."""
+    def pending(self, limit: int, max_bytes: int = 1 << 22) -> tuple[list[Point], int]:
+        """Up to `limit` complete points after the shipped offset, and the offset just after the last one.
+
+        Reads at most `max_bytes` (more only for a single longer line), so a large backlog is read once.
+        """
         start = self.shipped()
         try:
             with self.path.open("rb") as f:
                 f.seek(start)
-                data = f.read()
+                data = f.read(max_bytes)
+                while data and b"\n" not in data and len(chunk := f.read(max_bytes)) > 0:
+                    data += chunk
         except FileNotFoundError:
             return [], start
         points: list[Point] = []
         end = start
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n") or len(points) >= limit:
-                break  # a line still being written (or cut by a kill) is read once it is whole
-            end += len(line)
+        for line in data.split(b"\n")[:-1]:  # the last piece has no newline yet: read once it is whole
+            if len(points) >= limit:
+                break
+            end += len(line) + 1
             point = _parse(line, self.path)
             if point is not None:
                 points.append(point)

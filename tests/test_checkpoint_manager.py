@@ -368,3 +368,23 @@ def test_a_rollback_past_a_write_in_flight_keeps_it_from_committing(tmp_path, ca
         assert mgr.save(2).parent_id == good.id  # the new branch hangs off the rollback target
         mgr.wait()
         assert [i.step for i in mgr.list()] == [1, 2]
+
+
+def test_a_rollback_target_that_retention_deleted_meanwhile_still_abandons_what_came_after(tmp_path):
+    import threading
+
+    t = Tiny()
+    t.step()
+    gate = threading.Event()
+    with CheckpointManager(opts(tmp_path, memory_slots=2, keep_last=1), t.state) as mgr:
+        target = mgr.save(1)
+        mgr.wait()
+        t.step()
+        later = mgr.save(2, before_commit=lambda: gate.wait(30))
+        restored = mgr.restore_memory(target, wait=False)
+        gate.set()  # the later write commits now, and keep_last=1 deletes the target from disk
+        mgr._pending[0].exception()  # test-only: let that commit land first
+        assert [i.id for i in mgr.list()] == [later.id]
+        gone = mgr.abandon_after(restored, wait=False)
+        assert [i.id for i in gone] == [later.id]
+        assert [(i.id, i.abandoned) for i in mgr.list()] == [(later.id, True)]  # never "latest" on a restart

@@ -39,6 +39,8 @@ def test_reader_sees_whole_lines_only_and_resumes_after_what_was_marked(tmp_path
     assert [p[0] for p in points] == ["loss", "loss", "grad"]
     assert points[0] == ("loss", 1.5, 1000, 1) and math.isnan(points[1][1]) and points[2][1] == math.inf
     assert end == path.read_bytes().rindex(b"\n") + 1
+    one, end1 = reader.pending(limit=1000, max_bytes=8)  # a small read still ends on a whole line
+    assert one == points[:1] and end1 == path.read_bytes().index(b"\n") + 1
     two, end2 = reader.pending(limit=2)
     assert len(two) == 2 and end2 < end
     reader.mark(end2)
@@ -74,6 +76,17 @@ def test_shipper_ships_in_order_keeps_points_through_an_outage_and_never_duplica
     assert shipper.drain() is True
     assert _history(client, run_id, "loss") == [(s, float(s)) for s in range(1, 2501)] + [(2501, 0.5)]
     writer.close()
+
+
+def test_a_point_mlflow_refuses_for_good_is_dropped_alone(tmp_path, run, caplog):
+    client, run_id = run
+    path = tmp_path / "0.jsonl"
+    points = [("loss", float(s), 1_700_000_000_000 + s, s) for s in range(1, 8)]
+    points.insert(3, ("bad@key", 1.0, 1_700_000_000_004, 4))  # MLflow rejects this key on every try
+    SpoolWriter(path).send(points)
+    assert SpoolShipper(client, run_id, path).drain()
+    assert _history(client, run_id, "loss") == [(s, float(s)) for s in range(1, 8)]
+    assert "refused metric point ('bad@key'" in caplog.text and SpoolReader(path).unshipped_bytes() == 0
 
 
 def test_the_shipping_thread_ships_while_the_segment_runs_and_leftovers_are_shipped_later(tmp_path, run):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -14,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 from supervisor.checkpoint.dedup import DedupIndex
 from supervisor.checkpoint.flatten import flatten
 from supervisor.checkpoint.local import LocalStore
-from supervisor.checkpoint.manifest import CKPT_PREFIX, Manifest, config_hash, git_commit, library_versions
+from supervisor.checkpoint.manifest import (
+    ABANDONED,
+    CKPT_PREFIX,
+    Manifest,
+    config_hash,
+    git_commit,
+    library_versions,
+)
 from supervisor.checkpoint.memory import Snapshot, SnapshotRing
 from supervisor.checkpoint.options import TIERS, CheckpointInfo, CheckpointOptions, make_id, parse_id
 from supervisor.checkpoint.remote import RemoteTier
@@ -165,6 +173,9 @@ class CheckpointManager:
         started = time.monotonic()
         abandoned = False
         try:
+            with self._lock:
+                if meta.id in self._abandon_on_commit:  # rolled back past before its write began: skip it
+                    raise _Abandoned(meta.id)
             gate = lambda: self._gate(meta.id, before_commit)  # noqa: E731
             manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index, gate)
             self._manifests[meta.id] = manifest
@@ -192,13 +203,14 @@ class CheckpointManager:
             with self._lock:
                 self._errors.append((meta.id, exc))
         finally:
-            with self._lock:
-                self._inflight.pop(meta.id, None)
-                self._committing.discard(meta.id)
             if snap is not None:
                 self._ring.release(snap)
                 if abandoned or not self.options.memory_slots:
                     self._ring.drop(meta.id)
+            with self._lock:  # after the drop: until here a refused id stays flagged, so nothing picks it
+                self._inflight.pop(meta.id, None)
+                self._committing.discard(meta.id)
+                self._abandon_on_commit.discard(meta.id)
             if self._writer is not None:
                 self._slots.release()
 
@@ -208,7 +220,6 @@ class CheckpointManager:
             before_commit()
         with self._lock:
             if cid in self._abandon_on_commit:
-                self._abandon_on_commit.discard(cid)
                 raise _Abandoned(cid)
             self._committing.add(cid)
 
@@ -258,6 +269,10 @@ class CheckpointManager:
             assert self._remote is not None
             self._remote.upload(self._store, manifest)
             log.info("Uploaded checkpoint %s to %s", manifest.id, self._remote.url)
+            abandoned = self._store.path(CKPT_PREFIX + manifest.id, ABANDONED)
+            if os.path.exists(abandoned):  # a rollback marked it while the upload ran: the remote copy too
+                with open(abandoned, encoding="utf-8", errors="replace") as fh:
+                    self._remote.mark_abandoned(manifest.id, fh.read())
             self._remote.apply_retention(self._policy())
         except BaseException as exc:
             with self._lock:
@@ -441,23 +456,41 @@ class CheckpointManager:
         for info in refused:
             log.info("Abandoned checkpoint %s before its commit (rolled back to %s)", info.id, target.id)
         gone = [i for i in self._tiers.list() if i.seq > target.seq and not i.abandoned]
+        reason = f"rolled back to {target.id}"
         for info in gone:
-            reason = f"rolled back to {target.id}"
             if "local" in info.tiers:
                 self._store.mark_abandoned(info.id, reason)
             if "remote" in info.tiers and self._remote is not None:
                 self._remote.mark_abandoned(info.id, reason)
             self._ring.drop(info.id)
             log.info("Abandoned checkpoint %s (%s)", info.id, reason)
+        if not wait and self._remote is not None:
+            # An upload still running may have committed remotely after the listing above; one committing
+            # later sees the local mark (_upload checks after its commit).
+            unmarked = {i.id for i in gone if "remote" not in i.tiers}
+            for info in self._remote.catalog.list():
+                if info.id in unmarked and not info.abandoned:
+                    self._remote.mark_abandoned(info.id, reason)
         self._parent, self._last = target.id, target
         return [replace(i, abandoned=True) for i in [*gone, *refused]]
 
     def _resolve_any(self, which: Which) -> CheckpointInfo:
-        """A checkpoint still being written, or a committed one (a write commits before it leaves _inflight)."""
+        """A checkpoint still being written, or a committed one (a write commits before it leaves _inflight).
+
+        An info whose checkpoint is gone from disk (retention deleted it after it was restored from the ring)
+        is taken as it is: the rollback to it happened, and what came after it must still be abandoned.
+        """
         cid = which.id if isinstance(which, CheckpointInfo) else which
         with self._lock:
             held = self._inflight.get(cid)
-        return held[0] if held is not None else self._resolve(cid)
+        if held is not None:
+            return held[0]
+        try:
+            return self._resolve(cid)
+        except CheckpointNotFound:
+            if isinstance(which, CheckpointInfo):
+                return which
+            raise
 
 
 class _Abandoned(Exception):

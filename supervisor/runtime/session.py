@@ -379,12 +379,12 @@ class Session:
         if decision.action == "rollback" and decision.target_id is not None:
             t0 = time.monotonic()
             target = next(i for i in known if i.id == decision.target_id)
-            in_ring = "memory" in target.tiers
-            if in_ring:
-                info = self.manager.restore_memory(target, wait=False)
-            else:
-                info = self.manager.restore(target)  # from disk, once pending writes are done
-            self.manager.abandon_after(info, wait=False)
+            self.manager.protect([target.id])  # retention on the writer thread must not delete it meanwhile
+            try:
+                info, in_ring = self._restore_target(target)
+                self.manager.abandon_after(info, wait=False)
+            finally:
+                self.manager.unprotect([target.id])
             self.step = self.state.step
             self.history = self.history.record(event, decision, time.time())
             self.rollbacks_in_process += 1
@@ -401,6 +401,15 @@ class Session:
         self._report(event, decision, handled=False)
         self._stop_signal, self._stop_reason = signal.SIGUSR2, f"anomaly: {event.reason}"
         self.exit_code = exitcodes.EXIT_ANOMALY
+
+    def _restore_target(self, target: Any) -> tuple[Any, bool]:
+        """From the memory ring without waiting for writes; from disk if the ring no longer holds it."""
+        if "memory" in target.tiers:
+            try:
+                return self.manager.restore_memory(target, wait=False), True
+            except CheckpointNotFound:  # committed and dropped from the ring since it was listed
+                pass
+        return self.manager.restore(target), False
 
     def _report(self, event: Event, decision: Any, *, handled: bool, **extra: Any) -> None:
         """Append the event (and the decision taken in process, if any) to events.jsonl for the supervisor."""
