@@ -102,17 +102,21 @@ def test_a_commit_waits_for_its_metrics_but_training_does_not(tmp_path: Path):
 def test_an_adaptive_cadence_saves_after_the_write_in_flight_instead_of_blocking_on_it(tmp_path: Path):
     sess, metrics = _session(tmp_path, adaptive=True, every_steps=2)
     in_flight: list[int] = []
+    committed: list[int] = []
 
     def on_step(step: int) -> None:
         if metrics.gates and not metrics.gates[0].is_set():
             in_flight.append(step)
+        if step == 29:
+            committed.extend(_committed_steps(sess))
         if step == 30:
             metrics.gates[0].set()
             sess.manager.wait()  # the first checkpoint is committed now
 
-    # Were the due save blocking on the write in flight, training would stop at step 3 until the safety
-    # timer opened the gate, and the steps trained meanwhile would be [2, 3].
+    # Were the due save blocking on the write in flight, training would stop at step 3 until the commit's
+    # bounded wait for its metrics (10 s) gave up and committed it: by step 29 it would be committed.
     _train(sess, metrics, 40, on_step)
+    assert committed == []
     first = min(_committed_steps(sess))
     assert len(metrics.gates) >= 3, "saves resumed once the first was committed"
     assert in_flight[-1] == 30 and len(in_flight) >= 25  # trained on while the first save was in flight

@@ -320,8 +320,8 @@ class Session:
         if self.dist is not None:
             due = self._agree(events, due)
         elif due and self._cadence.adaptive and self.manager.writing():
-            # The previous checkpoint is still being written: saving now would block training until it is.
-            # An adaptive cadence picks its own moment, so it saves at the first step after the write instead.
+            # Saving now would block training until the previous write is done. An adaptive cadence picks its
+            # own moment, so it saves at the first step after the write instead.
             due = False
         if due:
             self._save(self.step)
@@ -331,9 +331,11 @@ class Session:
         return self._agreed_stop if self.dist is not None else self._stop_signal is not None
 
     def _agree(self, events: list[Event], due: bool) -> bool:
-        """One all_reduce per step: stop (1 = save first, 2 = now), anomaly and save, the same on every rank."""
+        """One all_reduce per step: stop (1 = save first, 2 = now), anomaly, save, and whether rank 0 is still
+        writing (an adaptive cadence then saves at the first step after the write, on every rank)."""
         stop = 0 if self._stop_signal is None else 2 if self._stop_signal == signal.SIGUSR2 else 1
-        anomaly, stop, due_any = self.dist.agree(int(bool(events)), stop, int(due))
+        writing = int(self._cadence.adaptive and self.dist.is_writer and self.manager.writing())
+        anomaly, stop, due_any, writing = self.dist.agree(int(bool(events)), stop, int(due), writing)
         if anomaly:
             for event in events:  # all of them, so the supervisor's monitor finds each one reported
                 log.warning(
@@ -348,7 +350,7 @@ class Session:
                 self._stop_signal = signal.SIGUSR2 if stop == 2 else signal.SIGTERM
                 self._stop_reason = self._stop_reason or "another rank was asked to stop"
             self._agreed_stop = True
-        return bool(due_any) and not self._agreed_stop
+        return bool(due_any) and not writing and not self._agreed_stop
 
     def _save(self, step: int, *, force: bool = False) -> None:
         t0 = time.monotonic()  # the cadence's save cost: all the time training is blocked here
