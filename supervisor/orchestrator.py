@@ -315,7 +315,9 @@ class LineageRunner:
         while True:
             for rec in self._events_since(self.record["events_consumed"]):
                 seen = Event.from_dict(rec["event"])
-                if seen.type == event.type and seen.metric == event.metric and _same_onset(seen, event):
+                # Any metric: one anomaly can show on several at one step (NaN gradients make the loss and the
+                # grad norm NaN), and the training process handles and reports the first it sees.
+                if seen.type == event.type and _same_onset(seen, event):
                     return True
             if time.monotonic() >= deadline:
                 return False
