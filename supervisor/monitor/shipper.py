@@ -59,9 +59,10 @@ class SpoolShipper:
                     if end != self.reader.shipped():
                         self.reader.mark(end)  # only malformed lines in between
                     return sent
-                sent += self._send(points)
+                n = self._send(points)
                 self.reader.mark(end)
-                self.shipped_points += len(points)
+                sent += n
+                self.shipped_points += n
         finally:
             self._lock.release()
 

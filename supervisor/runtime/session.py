@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from supervisor import exitcodes
@@ -300,7 +301,7 @@ class Session:
             self._last_beat = now
             if (
                 self.plan.supervisor_pid
-                and not _alive(self.plan.supervisor_pid)
+                and not psutil.pid_exists(self.plan.supervisor_pid)
                 and self._stop_signal is None
             ):
                 # Nobody would act on what we do next: save and stop; the next supervisor resumes us.
@@ -331,8 +332,7 @@ class Session:
         return self._agreed_stop if self.dist is not None else self._stop_signal is not None
 
     def _agree(self, events: list[Event], due: bool) -> bool:
-        """One all_reduce per step: stop (1 = save first, 2 = now), anomaly, save, and whether rank 0 is still
-        writing (an adaptive cadence then saves at the first step after the write, on every rank)."""
+        """One all_reduce per step: stop (1 = save first, 2 = now), anomaly, save, rank 0 still writing."""
         stop = 0 if self._stop_signal is None else 2 if self._stop_signal == signal.SIGUSR2 else 1
         writing = int(self._cadence.adaptive and self.dist.is_writer and self.manager.writing())
         anomaly, stop, due_any, writing = self.dist.agree(int(bool(events)), stop, int(due), writing)
@@ -498,13 +498,3 @@ class Session:
 def _batch_len(batch: Any) -> int:
     first = batch[0] if isinstance(batch, list | tuple) and batch else batch
     return int(first.shape[0]) if hasattr(first, "shape") and first.dim() > 0 else 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
