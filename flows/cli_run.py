@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def command(
     lease_wait: float = typer.Option(
         0.0, "--lease-wait", help="Seconds to wait for another supervisor's lease."
     ),
+    lease_ttl: float = typer.Option(
+        60.0,
+        "--lease-ttl",
+        min=1.0,
+        help="Seconds a lease outlives its supervisor (renewed every third of it while this run lives).",
+    ),
 ) -> None:
     """Run CMD (after `--`) as supervised training under POLICY until it finishes, stops or fails."""
     argv = list(ctx.args)
@@ -42,9 +49,53 @@ def command(
         raise UserError("run: expected the training command after `--`, e.g. -- python train.py")
     if not policy.is_file():
         raise UserError(f"--policy {policy}: no such file")
-    from policies import load_policy
+    lease, keeper = preflight(argv, policy, lineage, workdir, lease_wait, lease_ttl)
+    try:
+        _run(argv, policy, lineage or lease_lineage(argv), workdir, tracking_uri, stop_grace, lease)
+    finally:
+        keeper.stop()
+        lease.release()
 
-    load_policy(policy)  # a bad policy fails here, with file:line:col, before anything starts
+
+def lease_lineage(argv: list[str]) -> str:
+    from supervisor.command import default_lineage, python_command
+
+    return default_lineage(python_command(argv))
+
+
+def preflight(
+    argv: list[str], policy: Path, lineage: str | None, workdir: Path, lease_wait: float, lease_ttl: float
+):
+    """Refuse bad input and a held lineage before Prefect or MLflow start (seconds, not a server start-up).
+
+    Takes the lineage lease here, with a keeper renewing it; the flow adopts it (same owner), so a second
+    `run` of the lineage fails at once with the holder's name, and two runs on a fresh workdir never race
+    to create its stores.
+    """
+    from policies import load_policy
+    from supervisor.layout import LineageLayout
+    from supervisor.lineage import Lease, LeaseKeeper
+
+    loaded = load_policy(policy)  # a bad policy fails here, with file:line:col, before anything starts
+    name = lineage or lease_lineage(argv)
+    ck = loaded.checkpoint
+    layout = LineageLayout.resolve(workdir, ck.storage, name, ck.remote)  # checks the lineage name
+    try:
+        layout.local.mkdir(parents=True, exist_ok=True)
+        probe = layout.local / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(
+            f"--workdir {workdir}: cannot write to {layout.local} ({exc.strerror or exc}); "
+            "pass a writable --workdir"
+        ) from None
+    lease = Lease(layout.durable, ttl_seconds=lease_ttl)
+    lease.acquire(lease_wait)
+    return lease, LeaseKeeper(lease).start()
+
+
+def _run(argv, policy, lineage, workdir, tracking_uri, stop_grace, lease) -> None:
     from flows.prefect_env import apply_defaults
 
     apply_defaults(workdir)
@@ -66,7 +117,8 @@ def command(
             workdir=str(workdir),
             tracking_uri=tracking_uri,
             stop_grace_seconds=stop_grace,
-            lease_wait_seconds=lease_wait,
+            lease_ttl_seconds=lease.ttl_seconds,
+            lease_owner=lease.owner,
         )
     except Interrupted as exc:
         typer.echo(

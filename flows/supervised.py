@@ -90,6 +90,7 @@ def supervised_training(
     lease_ttl_seconds: float = 60.0,
     max_segments: int = 1000,
     env: dict[str, str] | None = None,
+    lease_owner: str | None = None,
 ) -> dict[str, Any]:
     """Supervise `command` under `policy` until it finishes, stops, or exhausts its budgets."""
     argv = python_command(shlex.split(command) if isinstance(command, str) else list(command))
@@ -104,6 +105,7 @@ def supervised_training(
         lease_ttl_seconds=lease_ttl_seconds,
         max_segments=max_segments,
         env=dict(env or {}),
+        lease_owner=lease_owner or "",
     )
     runner = LineageRunner(options)
     open_lineage(runner)

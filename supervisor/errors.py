@@ -57,4 +57,6 @@ class BackgroundSaveError(CheckpointError):
 
 
 class LeaseHeldError(SupervisorError):
-    """Another supervisor holds the lineage lease."""
+    """Another supervisor holds the lineage lease (or took it from us). The CLI exits 2: nothing started."""
+
+    exit_code = 2

@@ -2,22 +2,46 @@
 
 Everything a new flow run needs to resume lives here: events, decisions, budgets spent (the policy
 history), the MLflow run, the segments so far and the plan for the next one.
+
+Fencing: every take-over of the lease increments its `token`. The holder stamps each record write with its
+token, and a write is refused when the stored record carries a newer one, so a supervisor that lost its
+lease (a long GC pause, a frozen VM) cannot overwrite what the new holder wrote.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import socket
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from supervisor.errors import LeaseHeldError
+from supervisor.errors import LeaseHeldError, UserError
+
+log = logging.getLogger("rollback_supervisor.lineage")
+
+#: A lease or lineage record is a few KB; anything far larger is damage, not a record.
+MAX_RECORD_BYTES = 64 << 20
+#: Keys every lineage record has, and their JSON types.
+RECORD_KEYS: dict[str, type | tuple[type, ...]] = {
+    "lineage": str,
+    "status": str,
+    "segments": list,
+    "mlflow": dict,
+    "history": dict,
+}
+
+
+class LineageRecordError(UserError):
+    """A lineage record on disk is not a lineage record (damaged, truncated or not JSON)."""
 
 
 def _join(root: str, *parts: str) -> str:
@@ -37,14 +61,56 @@ class LineageStore:
         return _join(self._path, "lineage.json")
 
     def load(self) -> dict[str, Any] | None:
+        """The record, or None if there is none; a damaged record raises LineageRecordError."""
         try:
-            with self.fs.open(self.record_path, "r") as fh:
-                return json.load(fh)
+            with self.fs.open(self.record_path, "rb") as fh:
+                raw = fh.read(MAX_RECORD_BYTES + 1)
         except FileNotFoundError:
             return None
+        return parse_record(raw, self.record_path)
 
-    def save(self, record: dict[str, Any]) -> None:
+    def save(self, record: dict[str, Any], fence: int | None = None) -> None:
+        """Write `record`; with a `fence` (the lease token), refuse if a newer lease holder wrote it last."""
+        if fence is not None:
+            try:
+                stored = self.load()
+            except LineageRecordError:
+                stored = None  # a damaged record is replaced by the holder's good one
+            newer = (stored or {}).get("lease_token", 0)
+            if isinstance(newer, int) and newer > fence:
+                raise LeaseHeldError(
+                    f"lineage record {self.record_path} was written by a newer lease holder (token {newer} > "
+                    f"ours {fence}); this supervisor lost its lease and stops without writing"
+                )
+            record["lease_token"] = fence
         write_json_atomic(self.fs, self.record_path, record)
+
+
+def parse_record(raw: bytes, where: str) -> dict[str, Any]:
+    """Validate a lineage record's bytes: a JSON object with the keys every record has."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise LineageRecordError(f"lineage record {where} is over {MAX_RECORD_BYTES >> 20} MB; it is damaged")
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LineageRecordError(
+            f"lineage record {where} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]}); restore it "
+            "from a backup or start a new lineage with another --lineage"
+        ) from None
+    if not isinstance(record, dict):
+        raise LineageRecordError(
+            f"lineage record {where}: expected a JSON object, found {type(record).__name__}"
+        )
+    for key, kind in RECORD_KEYS.items():
+        if not isinstance(record.get(key), kind):
+            found = type(record.get(key)).__name__ if key in record else "nothing"
+            raise LineageRecordError(
+                f"lineage record {where}: key {key!r}: expected {getattr(kind, '__name__', kind)}, found {found}"
+            )
+    for i, seg in enumerate(record["segments"]):
+        if not isinstance(seg, dict):
+            raise LineageRecordError(f"lineage record {where}: segments[{i}]: expected an object")
+    return record
 
 
 def write_json_atomic(fs: fsspec.AbstractFileSystem, path: str, data: Any) -> None:
@@ -82,6 +148,24 @@ def _dead_here(owner: str) -> bool:
     return not psutil.pid_exists(int(pid))
 
 
+def parse_lease(raw: bytes) -> dict[str, Any] | None:
+    """A lease record's fields, or None if the bytes are not one (damage: treated as no valid holder)."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("owner"), str):
+        return None
+    expires, token = data.get("expires_at"), data.get("token", 0)
+    if not _number(expires) or not isinstance(token, int) or isinstance(token, bool):
+        return None
+    return data
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class Lease:
     """A lease with expiry in the storage: two supervisors never drive one lineage at once.
@@ -90,89 +174,119 @@ class Lease:
     writes: `If-None-Match: *` when there is no holder, `If-Match: <etag>` to replace the record that was
     judged expired, so of two supervisors racing for one lease exactly one write succeeds. Other object stores
     fall back to write-then-read-back, which narrows the race but cannot close it.
-    A holder must `renew()` more often than `ttl_seconds`; a crashed holder's lease expires.
+    A holder must `renew()` more often than `ttl_seconds` (`LeaseKeeper` does it on a thread); a crashed
+    holder's lease expires. Each take-over increments `token`, the fencing token of the record writes.
+    A damaged lease file counts as no holder (writes are atomic, so damage is not a holder mid-write).
+    Thread-safety: `renew` (the keeper's thread) may run beside `check`; `acquire`/`release` are not
+    concurrent with anything.
     """
 
     root: str
     ttl_seconds: float = 60.0
     owner: str = ""
     clock: Any = time.time
+    token: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.fs, self._dir = url_to_fs(self.root)
         self.fs.makedirs(self._dir, exist_ok=True)
         self.path = _join(self._dir, "lease.json")
         self.owner = self.owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._raw: bytes | None = None  # the bytes `holder()` last read: what a compare-and-swap replaces
 
     def holder(self) -> dict[str, Any] | None:
+        """The current lease record; a damaged one reads as an expired lease of nobody."""
         self.fs.invalidate_cache(self.path)  # object stores: never judge a lease from a cached listing
         try:
-            with self.fs.open(self.path, "r") as fh:
-                return json.load(fh)
-        except (FileNotFoundError, json.JSONDecodeError):
+            raw = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            self._raw = None
             return None
+        self._raw = raw
+        parsed = parse_lease(raw[: MAX_RECORD_BYTES + 1])
+        if parsed is None:
+            log.warning("lease %s is damaged (%d bytes); treating it as expired", self.path, len(raw))
+            return {"owner": "", "expires_at": 0.0, "token": 0, "damaged": True}
+        return parsed
+
+    def _takeable(self, current: dict[str, Any] | None) -> bool:
+        return (
+            current is None
+            or current.get("owner") == self.owner
+            or current["expires_at"] < self.clock()
+            or _dead_here(current["owner"])
+        )
 
     def acquire(self, wait_seconds: float = 0.0, sleep=time.sleep) -> None:
         """Take the lease, waiting up to `wait_seconds` for the holder to release or expire."""
         deadline = self.clock() + wait_seconds
         while True:
             current = self.holder()
-            if (
-                current is None
-                or current.get("owner") == self.owner
-                or current.get("expires_at", 0) < self.clock()
-                or _dead_here(current.get("owner", ""))
-            ):
-                if self._take(current):
-                    return
+            if self._takeable(current) and self._take(current):
+                return
             if self.clock() >= deadline:
                 current = self.holder() or {}
                 left = max(0.0, current.get("expires_at", 0) - self.clock())
                 raise LeaseHeldError(
-                    f"lineage at {self.root} is driven by {current.get('owner', '?')} (lease expires in {left:.0f}s); "
-                    "wait for it to finish, stop it, or pass a longer --lease-wait"
+                    f"lineage at {self.root} is driven by {current.get('owner') or '?'} (lease expires in "
+                    f"{left:.0f}s); wait for it to finish, stop it, or pass a longer --lease-wait"
                 )
             sleep(min(1.0, max(0.05, deadline - self.clock())))
 
     def _take(self, seen: dict[str, Any] | None) -> bool:
+        # The owner string is unique to one supervisor process: the same owner is a renewal or a hand-over
+        # inside that process (the CLI takes the lease before Prefect starts, the flow adopts it).
+        ours = seen is not None and seen.get("owner") == self.owner
+        base = seen.get("token", 0) if seen else 0
         record = {
             "owner": self.owner,
             "expires_at": self.clock() + self.ttl_seconds,
-            "acquired_at": self.clock(),
+            "acquired_at": seen["acquired_at"] if ours and "acquired_at" in seen else self.clock(),
+            "token": base if ours else base + 1,
         }
         if "file" in self.fs.protocol:
-            lock = self.path + ".lock"
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                # A lock file older than the TTL belongs to a holder that died mid-take-over.
-                try:
-                    if time.time() - os.path.getmtime(lock) > self.ttl_seconds:
-                        os.unlink(lock)
-                except FileNotFoundError:
-                    pass
-                return False
-            try:
-                if self.holder() != seen:
-                    return False
-                write_json_atomic(self.fs, self.path, record)
-                return True
-            finally:
-                os.close(fd)
-                os.unlink(lock)
-        if "s3" in _protocols(self.fs):
-            return self._swap(seen, record)
-        write_json_atomic(self.fs, self.path, record)
-        time.sleep(0.2)
-        return (self.holder() or {}).get("owner") == self.owner
+            ok = self._take_local(seen, record)
+        elif "s3" in _protocols(self.fs):
+            ok = self._swap(record)
+        else:
+            write_json_atomic(self.fs, self.path, record)
+            time.sleep(0.2)
+            ok = (self.holder() or {}).get("owner") == self.owner
+        if ok:
+            self.token = record["token"]
+        return ok
 
-    def _swap(self, seen: dict[str, Any] | None, record: dict[str, Any]) -> bool:
-        """Compare-and-swap on S3: replace exactly the record `seen` (or create one where there was none)."""
+    def _take_local(self, seen: dict[str, Any] | None, record: dict[str, Any]) -> bool:
+        lock = self.path + ".lock"
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            # A lock file older than the TTL belongs to a holder that died mid-take-over.
+            try:
+                if time.time() - os.path.getmtime(lock) > self.ttl_seconds:
+                    os.unlink(lock)
+            except FileNotFoundError:
+                pass
+            return False
+        try:
+            before = self._raw
+            now = self.holder()
+            if now != seen or (seen is not None and self._raw != before):
+                return False
+            write_json_atomic(self.fs, self.path, record)
+            return True
+        finally:
+            os.close(fd)
+            os.unlink(lock)
+
+    def _swap(self, record: dict[str, Any]) -> bool:
+        """Compare-and-swap on S3: replace exactly the bytes last read (or create one where there was none)."""
         data = json.dumps(record, indent=2, sort_keys=True).encode()
-        if seen is None:
+        seen_raw = self._raw
+        if seen_raw is None:
             condition = {"mode": "create"}  # If-None-Match: *
         else:
-            etag = self._etag_of(seen)
+            etag = self._etag_of(seen_raw)
             if etag is None:
                 return False  # it changed since it was judged: look again
             condition = {"IfMatch": etag}
@@ -184,27 +298,102 @@ class Lease:
             self.fs.invalidate_cache(self.path)
         return True
 
-    def _etag_of(self, seen: dict[str, Any]) -> str | None:
-        """The ETag of the stored record if it still is `seen`; None if it changed or vanished meanwhile."""
+    def _etag_of(self, seen_raw: bytes) -> str | None:
+        """The ETag of the stored record if it still holds `seen_raw`; None if it changed or vanished."""
         self.fs.invalidate_cache(self.path)
         try:
             before = self.fs.info(self.path)["ETag"]
-            current = json.loads(self.fs.cat_file(self.path))
+            current = self.fs.cat_file(self.path)
             self.fs.invalidate_cache(self.path)
             after = self.fs.info(self.path)["ETag"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        except (FileNotFoundError, KeyError):
             return None
-        return before if before == after and current == seen else None
+        return before if before == after and current == seen_raw else None
+
+    def check(self) -> None:
+        """Raise LeaseHeldError unless this supervisor holds the lease, unexpired, with its own token."""
+        current = self.holder()
+        if (
+            current is None
+            or current.get("owner") != self.owner
+            or current.get("token") != self.token
+            or current["expires_at"] <= self.clock()
+        ):
+            who = (current or {}).get("owner") or "nobody"
+            raise LeaseHeldError(
+                f"lost the lease on {self.root} to {who}; this supervisor stops without "
+                "launching or writing anything"
+            )
 
     def renew(self) -> None:
+        """Extend the lease; raise LeaseHeldError if another supervisor holds it or the extension failed.
+
+        A lease of ours that expired unnoticed (a paused process) but that nobody took is simply extended:
+        the take is a compare-and-swap, so it cannot overwrite a new holder.
+        """
         current = self.holder()
-        if current is None or current.get("owner") != self.owner:
-            raise LeaseHeldError(
-                f"lost the lease on {self.root} to {current and current.get('owner')}; stopping"
-            )
-        self._take(current)
+        if current is None or current.get("owner") != self.owner or current.get("token") != self.token:
+            self.check()  # raises, naming the holder
+        if not self._take(current):
+            self.check()  # a failed write may still leave our unexpired lease (a racing lock file)
 
     def release(self) -> None:
         current = self.holder()
-        if current and current.get("owner") == self.owner:
+        if current and current.get("owner") == self.owner and current.get("token") == self.token:
             self.fs.rm(self.path)
+        self.token = 0
+
+
+class LeaseKeeper:
+    """Renews a held lease on a thread every `ttl/3` s, for as long as the supervisor holds it.
+
+    Every wait of the supervisor (the segment watch, the backoff delay, deciding, reporting) is covered. A
+    renewal that finds the lease lost stops the keeper and is re-raised by the next `check()`.
+    """
+
+    def __init__(self, lease: Lease, interval: float | None = None):
+        self.lease = lease
+        self.interval = interval if interval is not None else max(0.05, lease.ttl_seconds / 3)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._error: LeaseHeldError | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LeaseKeeper:
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                with self._lock:
+                    self.lease.renew()
+            except LeaseHeldError as exc:
+                if self.lease.holder() is None:  # released (the run ended): nothing to keep
+                    return
+                log.error("%s", exc)
+                self._error = exc
+                return
+            except Exception as exc:  # storage hiccup: retry at the next tick, the TTL leaves 2 more tries
+                log.warning("could not renew the lease on %s: %s", self.lease.root, exc)
+
+    def renew_now(self) -> None:
+        """Renew at once (before a launch), raising LeaseHeldError if the lease was lost."""
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            self.lease.renew()
+
+    def check(self) -> None:
+        """Raise the loss a renewal found, else verify the lease against the storage now."""
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            self.lease.check()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

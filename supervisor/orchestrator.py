@@ -2,17 +2,19 @@
 
 A LineageRunner owns the lease, the durable record and the MLflow run of one lineage. It is not thread-safe:
 one flow drives it. Its verbs map one-to-one onto the flow's tasks: `open`, `run_segment`, `conclude`, `finish`.
+From `open` to `close` a LeaseKeeper thread renews the lease, so every wait (the watch, the backoff delay,
+deciding, reporting) holds it; each launch and each record write first checks that it still does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,15 +26,26 @@ from mlflow.tracking import MlflowClient
 from policies import Decision, History, decide, load_policy
 from supervisor import exitcodes
 from supervisor.checkpoint import open_store
+from supervisor.checkpoint.remote import RemoteTier
+from supervisor.checkpoint.view import MergedCatalog
+from supervisor.command import default_lineage as default_lineage  # re-exported for the flow
+from supervisor.command import python_command as python_command
+from supervisor.errors import LeaseHeldError
 from supervisor.events import METRIC_EVENTS, Event
 from supervisor.launcher import ExitInfo, Segment
 from supervisor.layout import LineageLayout
-from supervisor.lineage import Lease, LineageStore
+from supervisor.lineage import Lease, LeaseKeeper, LineageStore
 from supervisor.monitor import HeartbeatReader, Monitor, classify_exit
 from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.runtime.wiring import to_records
-from supervisor.tracking import adopt_tracking, bound_http_requests, default_tracking_uri, start_run
+from supervisor.tracking import (
+    adopt_tracking,
+    bound_http_requests,
+    creating_store,
+    default_tracking_uri,
+    start_run,
+)
 from supervisor.tracking import artifact_location as artifact_location  # re-exported for the training side
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
@@ -54,6 +67,7 @@ class RunOptions:
     max_segments: int = 1000
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    lease_owner: str = ""  #: adopt a lease this process already took (the CLI takes it before Prefect starts)
 
 
 @dataclass
@@ -84,24 +98,30 @@ class LineageRunner:
         self.local_store = (
             LineageStore(str(self.layout.local)) if self.layout.durable != str(self.layout.local) else None
         )
-        self.lease = Lease(self.layout.durable, ttl_seconds=options.lease_ttl_seconds, clock=clock)
+        self.lease = Lease(
+            self.layout.durable, ttl_seconds=options.lease_ttl_seconds, owner=options.lease_owner, clock=clock
+        )
+        self.keeper: LeaseKeeper | None = None
         self.tracking_uri = options.tracking_uri or default_tracking_uri(Path(options.workdir))
         bound_http_requests()
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client: MlflowClient | None = None  # opened only under the lease (see open)
         self.record: dict[str, Any] = {}
         self.history = History()
         self.pending: Decision | None = None
-        self._last_renew = 0.0
 
     # -- open / close -------------------------------------------------------------------------
 
     def open(self) -> dict[str, Any]:
         """Take the lease, then load the lineage record (resuming it) or create it."""
         self.lease.acquire(self.options.lease_wait_seconds)
-        self._last_renew = self.clock()
+        self.keeper = LeaseKeeper(self.lease).start()
         record = self.store.load() or (self.local_store.load() if self.local_store else None)
         if record is None:
-            record = self._new_record()
+            # The tracking store is opened (and, on a fresh workdir, created) only under the lease, and its
+            # creation is serialised across lineages sharing the workdir's sqlite file.
+            with creating_store(self.tracking_uri):
+                self.client = MlflowClient(tracking_uri=self.tracking_uri)
+                record = self._new_record()
             log.info("lineage %s: new", self.options.lineage)
         else:
             log.info(
@@ -109,17 +129,25 @@ class LineageRunner:
                 self.options.lineage, len(record["segments"]), record["status"],
             )  # fmt: skip
             self._recover_interrupted(record)
-            self.tracking_uri, self.client = adopt_tracking(
-                record, self.options.tracking_uri, Path(self.options.workdir), self.policy.name
-            )
+            with creating_store(
+                self.options.tracking_uri or default_tracking_uri(Path(self.options.workdir))
+            ):
+                self.tracking_uri, self.client = adopt_tracking(
+                    record, self.options.tracking_uri, Path(self.options.workdir), self.policy.name
+                )
             record["storage"] = self._storage()  # this machine's paths (the lineage may have moved here)
             record["status"] = "running"
             record["final_reason"] = None
         record["command"] = list(self.options.command)
         record["policy"] = {"path": str(self.options.policy_path), "name": self.policy.name}
         if not (self.layout.local / "events.jsonl").exists():
-            # The count indexes this machine's events.jsonl; a lineage that moved here starts a new file.
+            # The offset indexes this machine's events.jsonl; a lineage that moved here starts a new file.
             record["events_consumed"] = 0
+            record["events_offset"] = 0
+        elif "events_offset" not in record:  # a record from before byte offsets counted lines
+            record["events_offset"] = _line_offset(
+                self.layout.local / "events.jsonl", record["events_consumed"]
+            )
         self.record = record
         ship_leftovers(self.client, record["mlflow"]["run_id"], self.spool_dir)
         self.history = History.from_dict(record["history"]) if record["history"] else History()
@@ -161,6 +189,7 @@ class LineageRunner:
             "storage": self._storage(),
             "history": {},
             "events_consumed": 0,
+            "events_offset": 0,
             "next_restore": RestoreSpec().__dict__,
             "segments": [],
         }
@@ -188,19 +217,25 @@ class LineageRunner:
                 record["next_restore"] = RestoreSpec().__dict__
 
     def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+            self.keeper = None
         self.lease.release()
 
     def _save(self) -> None:
+        """Write the record, fenced by the lease: a supervisor that lost its lease writes nothing."""
+        self.renew_lease()
         self.record["history"] = self.history.to_dict()
         self.record["updated"] = self.clock()
-        self.store.save(self.record)
+        self.store.save(self.record, fence=self.lease.token)
         if self.local_store:
-            self.local_store.save(self.record)
+            self.local_store.save(self.record, fence=self.lease.token)
 
     def renew_lease(self) -> None:
-        if self.clock() - self._last_renew >= self.options.lease_ttl_seconds / 3:
-            self.lease.renew()
-            self._last_renew = self.clock()
+        """Raise LeaseHeldError if the lease was lost (the keeper thread renews it)."""
+        if self.keeper is None:
+            raise LeaseHeldError(f"lineage {self.options.lineage}: the lease is not held; call open() first")
+        self.keeper.check()
 
     # -- one segment --------------------------------------------------------------------------
 
@@ -224,83 +259,109 @@ class LineageRunner:
 
     def run_segment(self, on_line: Callable[[str, str], None] | None = None) -> SegmentResult:
         """Launch the next segment and watch it until it exits or an anomaly makes us stop it."""
+        self.keeper_renew()  # never launch without the lease, and launch with a whole TTL ahead
         index = len(self.record["segments"])
         plan = self._plan(index)
         plan_path = plan.write(self.layout.local / f"plan-{index}.json")
         env = {**os.environ, **self.options.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
         start_step = _heartbeat_step(plan.heartbeat_path)
         seg_record = {
-            "host": socket.gethostname(), "index": index, "started": self.clock(), "ended": None, "pid": None, "returncode": None,
-            "signal_sent": None, "restore": plan.restore.__dict__, "start_step": start_step, "last_step": None,
-            "outcome": None, "event": None, "decision": None, "in_process": [],
-        }  # fmt: skip
+            "host": socket.gethostname(),
+            "index": index,
+            "started": self.clock(),
+            "ended": None,
+            "pid": None,
+            "pid_started": None,
+            "returncode": None,
+            "signal_sent": None,
+            "restore": plan.restore.__dict__,
+            "start_step": start_step,
+            "last_step": None,
+            "outcome": None,
+            "event": None,
+            "decision": None,
+            "in_process": [],
+        }
         self.record["segments"].append(seg_record)
         self._save()
-        logfile = open(self.layout.local / "segments" / f"{index}.log", "a")  # noqa: SIM115
+        with contextlib.ExitStack() as cleanup:
+            logfile = cleanup.enter_context(open(self.layout.local / "segments" / f"{index}.log", "a"))  # noqa: SIM115
 
-        def sink(stream: str, line: str) -> None:
-            logfile.write(f"{stream}: {line}\n")
-            logfile.flush()
-            if on_line:
-                on_line(stream, line)
+            def sink(stream: str, line: str) -> None:
+                logfile.write(f"{stream}: {line}\n")
+                logfile.flush()
+                if on_line:
+                    on_line(stream, line)
 
-        started = self.clock()
-        segment = Segment(self.options.command, env=env, cwd=self.options.cwd, on_line=sink)
-        # The training process appends its metrics to the spool; this ships them to the run (spool.py: why).
-        shipper = SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start()
-        seg_record["pid"] = segment.pid
-        self._save()
-        log.info("segment %d: pid %d, restore %s", index, segment.pid, plan.restore)
-        monitor = Monitor.from_specs(
-            self.tracking_uri,
-            plan.run_id,
-            self.policy.monitor.detectors,
-            heartbeat_path=plan.heartbeat_path,
-            report_history=False,
-            request_timeout=5.0,
-        )
-        monitor.detectors.progress(
-            self.clock(), phase="checkpoint"
-        )  # start-up and restore get the long grace
-        if monitor.heartbeat is not None:
-            monitor.heartbeat.changed()  # the previous segment's last beat is not this one's progress
-        stopped_for = None
-        try:
-            while segment.poll() is None:
-                stopped_for = self._watch_once(monitor)
-                if stopped_for is not None:
-                    log.warning("segment %d: %s; stopping it", index, stopped_for.reason)
-                    segment.stop(self.options.stop_grace_seconds, sig=signal.SIGUSR2)
-                    break
-                self.renew_lease()
-                try:
-                    segment.proc.wait(self.policy.monitor.poll_seconds)
-                except subprocess.TimeoutExpired:  # still running
-                    pass
-        except BaseException:
-            # The supervisor itself is going away (SIGTERM on a spot machine, Ctrl-C): let the training save
-            # its emergency checkpoint, record that, and let the next flow run resume the lineage.
-            segment.stop(self.options.stop_grace_seconds, sig=signal.SIGTERM)
-            exit_info = segment.wait()
-            seg_record.update(
-                ended=self.clock(), returncode=exit_info.returncode, outcome="interrupted",
-                signal_sent=exit_info.signal_sent,
-                last_step=_heartbeat_step(plan.heartbeat_path),
-                event=Event(type="preemption", reason="the supervisor was interrupted; training stopped with an "
-                            "emergency checkpoint", source="supervisor",
-                            evidence={"returncode": exit_info.returncode}).to_dict(),
-            )  # fmt: skip
-            self.record["next_restore"] = RestoreSpec().__dict__
+            # The training process appends its metrics to the spool; this ships them to the run (spool.py: why).
+            shipper = SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start()
+            cleanup.callback(shipper.drain)  # runs after the child is gone: all it logged reaches MLflow
+            started = self.clock()
+            segment = Segment(self.options.command, env=env, cwd=self.options.cwd, on_line=sink)
+            # Whatever fails below (the monitor, the record, a lost lease), the child is stopped and reaped.
+            cleanup.callback(segment.wait)
+            cleanup.callback(_stop_if_running, segment, self.options.stop_grace_seconds)
+            seg_record["pid"] = segment.pid
+            seg_record["pid_started"] = _process_started(segment.pid)
             self._save()
-            raise
-        finally:
-            monitor.close()
-            exit_info = segment.wait()
-            logfile.close()
-            shipper.drain()  # everything the segment logged is in MLflow before anyone decides or reports
+            log.info("segment %d: pid %d, %s", index, segment.pid, describe_restore(plan.restore))
+            monitor = Monitor.from_specs(
+                self.tracking_uri,
+                plan.run_id,
+                self.policy.monitor.detectors,
+                heartbeat_path=plan.heartbeat_path,
+                report_history=False,
+                request_timeout=5.0,
+            )
+            cleanup.callback(monitor.close)
+            monitor.detectors.progress(self.clock(), phase="checkpoint")  # start-up and restore: long grace
+            if monitor.heartbeat is not None:
+                monitor.heartbeat.changed()  # the previous segment's last beat is not this one's progress
+            stopped_for = None
+            try:
+                while segment.poll() is None:
+                    stopped_for = self._watch_once(monitor)
+                    if stopped_for is not None:
+                        log.warning("segment %d: %s; stopping it", index, stopped_for.reason)
+                        segment.stop(self.options.stop_grace_seconds, sig=signal.SIGUSR2)
+                        break
+                    self.renew_lease()
+                    try:
+                        segment.proc.wait(self.policy.monitor.poll_seconds)
+                    except subprocess.TimeoutExpired:  # still running
+                        pass
+            except BaseException as exc:
+                # The supervisor itself is going away (SIGTERM on a spot machine, Ctrl-C, a lost lease): let
+                # the training save its emergency checkpoint, record that, and let the next run resume.
+                segment.stop(self.options.stop_grace_seconds, sig=signal.SIGTERM)
+                exit_info = segment.wait()
+                seg_record.update(
+                    ended=self.clock(),
+                    returncode=exit_info.returncode,
+                    outcome="interrupted",
+                    signal_sent=exit_info.signal_sent,
+                    last_step=_heartbeat_step(plan.heartbeat_path),
+                    event=Event(
+                        type="preemption",
+                        reason="the supervisor was interrupted; training stopped with an emergency checkpoint",
+                        source="supervisor",
+                        evidence={"returncode": exit_info.returncode},
+                    ).to_dict(),
+                )
+                self.record["next_restore"] = RestoreSpec().__dict__
+                if not isinstance(exc, LeaseHeldError):  # a stale holder must not write the record
+                    self._save()
+                raise
+        exit_info = segment.wait()
         return SegmentResult(
             index, exit_info, stopped_for, started, self.clock(), _heartbeat_step(plan.heartbeat_path)
         )
+
+    def keeper_renew(self) -> None:
+        """Renew the lease now (a launch gets a whole TTL ahead); raise LeaseHeldError if it was lost."""
+        self.renew_lease()
+        assert self.keeper is not None
+        self.keeper.renew_now()
 
     def _watch_once(self, monitor: Monitor) -> Event | None:
         for event in monitor.poll(self.clock()):
@@ -311,24 +372,47 @@ class LineageRunner:
         return None
 
     def _handled_in_process(self, event: Event, wait_s: float = 2.0) -> bool:
+        """Whether the training process already reported this incident in the current segment.
+
+        One incident can show on several metrics and detectors at one step (a spike on the loss and the grad
+        norm over its threshold; NaN gradients make the loss NaN too): any metric event with the same onset
+        (within a tolerance) is the same incident, whatever its type or metric, and gets one decision.
+        """
         deadline = time.monotonic() + wait_s
         while True:
-            for rec in self._events_since(self.record["events_consumed"]):
-                seen = Event.from_dict(rec["event"])
-                # Any metric: one anomaly can show on several at one step (NaN gradients make the loss and the
-                # grad norm NaN), and the training process handles and reports the first it sees.
-                if seen.type == event.type and _same_onset(seen, event):
-                    return True
+            records, _ = self._events_since(self.record["events_offset"])
+            if any(_same_incident(Event.from_dict(rec["event"]), event) for rec in records):
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.25)
 
-    def _events_since(self, consumed: int) -> list[dict[str, Any]]:
+    def _events_since(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """Complete records of events.jsonl after byte `offset`, and the offset after the last one.
+
+        Read the way the spool is read: a line cut by a kill is left for later, and a malformed line is
+        skipped with a warning (its bytes still count), so the offset never drifts and nothing raises.
+        """
         path = self.layout.local / "events.jsonl"
-        if not path.exists():
-            return []
-        lines = path.read_text().splitlines()
-        return [json.loads(line) for line in lines[consumed:] if line.strip()]
+        try:
+            with path.open("rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return [], offset
+        records = []
+        for line in data.split(b"\n")[:-1]:  # the last piece has no newline yet
+            offset += len(line) + 1
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                Event.from_dict(rec["event"])
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                log.warning("%s: skipping a malformed line (%s): %r", path, exc, line[:200])
+                continue
+            records.append(rec)
+        return records, offset
 
     # -- deciding -----------------------------------------------------------------------------
 
@@ -357,18 +441,34 @@ class LineageRunner:
         return self._apply(seg, event)
 
     def _merge_reported(self, seg: dict[str, Any]) -> Event | None:
-        """Fold the training side's events.jsonl into the history; returns an anomaly it left to us."""
+        """Fold the training side's events.jsonl into the history; returns an anomaly it left to us.
+
+        A left-over anomaly at the onset of one the training process handled in this segment is part of
+        that incident: it is recorded with it and gets no second decision.
+        """
         reported = None
-        records = self._events_since(self.record["events_consumed"])
+        handled: list[Event] = []
+        records, offset = self._events_since(self.record["events_offset"])
         for rec in records:
-            if rec.get("handled_in_process") and rec.get("decision"):
+            event = Event.from_dict(rec["event"])
+            if rec.get("kind") == "save_failed":  # a report, not an anomaly: training went on without it
+                seg.setdefault("save_failures", []).append(rec)
+                log.warning("segment %d: %s", seg["index"], event.reason)
+            elif rec.get("handled_in_process") and rec.get("decision"):
                 decision = Decision.from_dict(rec["decision"])
                 self.history.record(decision.event, decision, rec["time"])
                 seg["in_process"].append(rec)
+                handled.append(event)
                 self._tag_decision(decision, in_process=True)
+            elif any(_same_incident(h, event) for h in handled):
+                seg["in_process"].append({**rec, "part_of_incident": True})
+                log.info("%s is part of an incident the training process already handled", event.reason)
             else:
-                reported = Event.from_dict(rec["event"])
+                reported = event
+        if reported is not None and any(_same_incident(h, reported) for h in handled):
+            reported = None
         self.record["events_consumed"] += len(records)
+        self.record["events_offset"] = offset
         return reported
 
     def _apply(self, seg: dict[str, Any], event: Event) -> Decision:
@@ -406,15 +506,19 @@ class LineageRunner:
             log.warning("checkpoint %s failed verification (%s); choosing again", decision.target_id, reason)
             invalid.add(decision.target_id)
 
-    def catalog(self):
+    def catalog(self) -> MergedCatalog | None:
+        """The checkpoints of both tiers in one view, the same merge the training side restores through."""
+        catalogs = []
         if self.layout.checkpoints.exists() and any(self.layout.checkpoints.iterdir()):
-            return open_store(self.layout.checkpoints)
+            catalogs.append(open_store(self.layout.checkpoints))
         if self.layout.remote:
             try:
-                return open_store(self.layout.remote)
+                remote = RemoteTier(self.layout.remote).catalog  # the same catalog the training side merges
+                remote.ids()  # reachable?
+                catalogs.append(remote)
             except Exception as exc:  # an empty or unreachable remote has nothing to offer yet
                 log.warning("remote checkpoint store %s unavailable: %s", self.layout.remote, exc)
-        return None
+        return MergedCatalog(catalogs) if catalogs else None
 
     def _tag_decision(self, decision: Decision, *, in_process: bool) -> None:
         n = len(self.history) - 1  # the same 0-based numbering as the final report
@@ -453,6 +557,11 @@ def running_seconds(segments: list[dict[str, Any]]) -> float:
     return sum(max(0.0, s["ended"] - s["started"]) for s in segments if s.get("ended") is not None)
 
 
+def _same_incident(a: Event, b: Event) -> bool:
+    """Two metric events with (nearly) one onset are one incident, whatever their type or metric."""
+    return a.type in METRIC_EVENTS and b.type in METRIC_EVENTS and _same_onset(a, b)
+
+
 def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:
     """Both sides run the same detectors on the same points, so one anomaly has (nearly) one onset."""
     if a.onset_step is None or b.onset_step is None:
@@ -461,9 +570,16 @@ def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:
 
 
 def _kill_stale(seg: dict[str, Any]) -> None:
-    """Kill a training process group left running by a supervisor that died on this same host."""
-    pid = seg.get("pid")
-    if not pid or seg.get("host") != socket.gethostname():
+    """Kill a training process group left running by a supervisor that died on this same host.
+
+    Only the very process the segment started: a PID reused since by an unrelated process (its start time
+    differs from the recorded one) is left alone. A record without a start time kills nothing.
+    """
+    pid, started = seg.get("pid"), seg.get("pid_started")
+    if not pid or started is None or seg.get("host") != socket.gethostname():
+        return
+    if _process_started(pid) != started:
+        log.info("segment %d: pid %d is gone or was reused; nothing to kill", seg["index"], pid)
         return
     try:
         if os.getpgid(pid) == pid:
@@ -473,21 +589,42 @@ def _kill_stale(seg: dict[str, Any]) -> None:
         pass
 
 
+def _process_started(pid: int) -> float | None:
+    """The process's start time (identifies it across PID reuse), or None if it is gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _stop_if_running(segment: Segment, grace: float) -> None:
+    if segment.poll() is None:
+        segment.stop(grace, sig=signal.SIGTERM)
+
+
+def describe_restore(spec: RestoreSpec) -> str:
+    """A restore spec in words, for the log."""
+    if spec.from_scratch:
+        return "starts from scratch"
+    where = f"checkpoint {spec.checkpoint_id}" if spec.checkpoint_id else "the newest valid checkpoint"
+    kind = "rolls back to" if spec.rollback else "starts from"
+    return f"{kind} {where} (skip {spec.skip_batches}, lr x{spec.lr_scale:g})"
+
+
+def _line_offset(path: Path, lines: int) -> int:
+    """The byte offset just after the first `lines` lines of `path` (records that counted lines)."""
+    offset = 0
+    with path.open("rb") as f:
+        for _ in range(lines):
+            line = f.readline()
+            if not line.endswith(b"\n"):
+                break
+            offset += len(line)
+    return offset
+
+
 def _heartbeat_step(path: Path) -> int | None:
     beat = HeartbeatReader(path).read()
     return beat.step if beat else None
-
-
-def default_lineage(command: tuple[str, ...]) -> str:
-    """A lineage name from the script name: `charlm` for `python examples/charlm.py ...`."""
-    for arg in command:
-        if arg.endswith(".py"):
-            return Path(arg).stem
-    return Path(command[0]).name if command else "run"
-
-
-def python_command(command: list[str]) -> tuple[str, ...]:
-    """Run `python x.py` with this interpreter, so the training sees the same environment."""
-    if command and command[0] in ("python", "python3"):
-        return (sys.executable, *command[1:])
-    return tuple(command)

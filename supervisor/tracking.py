@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -70,6 +72,26 @@ def choose_tracking_uri(
         return default
     path = local_store_path(recorded)
     return recorded if path is None or exists(path) else default
+
+
+@contextlib.contextmanager
+def creating_store(tracking_uri: str) -> Iterator[None]:
+    """Serialise opening (and, on a fresh workdir, creating) a local sqlite store across processes.
+
+    Two supervisors opening one new `mlflow.db` at once race on MLflow's table creation (`table ... already
+    exists` in the loser); an exclusive lock next to the file makes the second wait for the first.
+    """
+    path = local_store_path(tracking_uri) if tracking_uri.startswith("sqlite:") else None
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def start_run(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.errors import LeaseHeldError, SupervisorError
+from supervisor.errors import LeaseHeldError
 from supervisor.lineage import Lease
 from tests.s3_server import s3_server  # noqa: F401  (module fixture)
 from tests.test_spot import cli_argv, cli_env, cli_log, process_tree, reap, running, start_cli, wait_until
@@ -53,7 +53,7 @@ def test_lease_expiry_renew_release_and_takeover(lease_root: str):
     b = Lease(lease_root, ttl_seconds=30, owner=B, clock=clock)
 
     a.acquire()
-    assert a.holder() == {"owner": A, "acquired_at": 1000.0, "expires_at": 1030.0}
+    assert a.holder() == {"owner": A, "acquired_at": 1000.0, "expires_at": 1030.0, "token": 1}
     with pytest.raises(LeaseHeldError, match=r"driven by host-a:101:aaaa \(lease expires in 30s\)"):
         b.acquire(0, sleep=clock.sleep)
     assert clock.sleeps == []
@@ -68,7 +68,7 @@ def test_lease_expiry_renew_release_and_takeover(lease_root: str):
     # Waiting: b polls (at most 1 s apart) until a's renewed lease has expired, then takes it over.
     b.acquire(10, sleep=clock.sleep)
     assert clock.sleeps == [1.0] * 6 and clock.now == 1051.0
-    assert b.holder() == {"owner": B, "acquired_at": 1051.0, "expires_at": 1081.0}
+    assert b.holder() == {"owner": B, "acquired_at": 1051.0, "expires_at": 1081.0, "token": 2}
 
     # The old holder finds out at its next renewal, and its release does not drop b's lease.
     with pytest.raises(LeaseHeldError, match="lost the lease .* to host-b:202:bbbb"):
@@ -177,8 +177,9 @@ def test_second_supervisor_for_a_lineage_refuses_and_never_trains(prefect_harnes
             text=True,
             timeout=300,
         )
-        assert second.returncode == LeaseHeldError.exit_code == SupervisorError.exit_code == 1
+        assert second.returncode == LeaseHeldError.exit_code == 2
         assert f"error: lineage at {lineage_dir} is driven by {holder['owner']}" in second.stderr
+        assert "Traceback" not in second.stderr and len(second.stderr.strip().splitlines()) == 1
         assert "--lease-wait" in second.stderr
 
         # The second never launched a segment; the first still trains and still holds the lease.

@@ -1,5 +1,6 @@
 """The supervisor recognises an anomaly the training process already handled in process, whatever metric
-its own monitor saw it on first (a NaN gradient makes the loss and the grad norm NaN at the same step)."""
+or detector its own monitor saw it on first (a NaN gradient makes the loss and the grad norm NaN at the same
+step; a loss spike comes with the grad norm over its threshold): one incident, one decision (issue 14)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,95 @@ def test_an_in_process_report_covers_the_same_anomaly_on_another_metric(tmp_path
         assert seen("non_finite", "grad_norm", 46)  # the same NaN step, seen on the grad norm first
         assert seen("non_finite", "loss", 47)
         assert not seen("non_finite", "grad_norm", 60)  # a later anomaly is a new one
-        assert not seen("spike", "loss", 46)
+        assert seen("threshold", "grad_norm", 46)  # another detector at the same onset: the same incident
+        assert seen("spike", "loss", 45)
     finally:
         runner.close()
+
+
+def _runner(tmp_path: Path) -> LineageRunner:
+    runner = LineageRunner(
+        RunOptions(
+            command=("python", "-c", "pass"), policy_path=str(FAST_POLICY), lineage="t", workdir=tmp_path
+        )
+    )
+    runner.open()
+    return runner
+
+
+def _line(event: Event, decision: dict | None, handled: bool) -> bytes:
+    rec = {
+        "seq": 1,
+        "time": 5.0,
+        "handled_in_process": handled,
+        "event": event.to_dict(),
+        "decision": decision,
+    }
+    return (json.dumps(rec) + "\n").encode()
+
+
+def test_one_incident_on_two_metrics_gets_one_decision(tmp_path: Path):
+    """A spike on the loss handled in process and the grad norm over its threshold reported at the same step:
+    one rollback in the history, and nothing left for the supervisor to decide again."""
+    from policies import Decision
+
+    runner = _runner(tmp_path)
+    try:
+        spike = Event(type="spike", reason="loss spiked", metric="loss", onset_step=301, step=301)
+        threshold = Event(
+            type="threshold", reason="grad_norm > 100", metric="grad_norm", onset_step=301, step=301
+        )
+        decision = Decision(
+            action="rollback", reason="in process", event=spike, target_id="c", target_step=250
+        )
+        path = runner.layout.local / "events.jsonl"
+        path.write_bytes(_line(spike, decision.to_dict(), True) + _line(threshold, None, False))
+        seg = {"in_process": []}
+        assert runner._merge_reported(seg) is None
+        assert [e.decision.action for e in runner.history.entries] == ["rollback"]
+        assert seg["in_process"][1]["part_of_incident"] is True
+    finally:
+        runner.close()
+
+
+def test_events_file_is_read_by_offset_and_survives_torn_and_bad_lines(tmp_path: Path):
+    runner = _runner(tmp_path)
+    try:
+        path = runner.layout.local / "events.jsonl"
+        a = Event(type="non_finite", reason="a", metric="loss", onset_step=10, step=10)
+        b = Event(type="preemption", reason="b", source="notice")
+        path.write_bytes(
+            b"\n\n" + _line(a, None, False) + b"not json\n" + b'{"event": [1]}\n' + _line(b, None, False)[:20]
+        )
+        records, offset = runner._events_since(0)
+        assert [r["event"]["reason"] for r in records] == ["a"]  # blank and malformed lines skipped
+        assert offset == path.stat().st_size - 20  # the torn last line is left for later
+        with path.open("ab") as f:
+            f.write(_line(b, None, False)[20:])
+        more, end = runner._events_since(offset)
+        assert [r["event"]["reason"] for r in more] == ["b"] and end == path.stat().st_size
+        assert runner._events_since(end) == ([], end)
+    finally:
+        runner.close()
+
+
+def test_a_stale_segment_is_killed_only_if_its_pid_was_not_reused(tmp_path: Path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from supervisor.orchestrator import _kill_stale, _process_started
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        seg = {"index": 0, "pid": child.pid, "host": socket.gethostname()}
+        _kill_stale({**seg, "pid_started": _process_started(child.pid) - 100.0})  # the PID was reused
+        _kill_stale({**seg, "pid_started": None})  # a record that cannot tell
+        assert child.poll() is None
+        _kill_stale({**seg, "pid_started": _process_started(child.pid)})
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
