@@ -41,8 +41,8 @@ def rank_seed(seed: int, rank: int, world_size: int) -> int:
     return (seed * 1_000_003 + rank + 1) % (2**63)
 
 
-def capture_rng() -> dict[str, Any]:
-    """Python `random`, NumPy's global generator, torch CPU and every CUDA device, as JSON and tensors."""
+def capture_rng(*, cuda: bool = True) -> dict[str, Any]:
+    """Python `random`, NumPy's global generator, torch CPU and (`cuda`) every CUDA device: JSON and tensors."""
     version, internal, gauss_next = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     rng: dict[str, Any] = {
@@ -56,7 +56,7 @@ def capture_rng() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if cuda and torch.cuda.is_available():
         rng["cuda"] = list(torch.cuda.get_rng_state_all())
     return rng
 
@@ -92,7 +92,8 @@ class TrainingState:
     """Everything a bit-exact resume needs: registered parts, RNG streams, counters and extras.
 
     Register anything with state_dict()/load_state_dict(): models, optimizers, schedulers, GradScaler,
-    the data loader. `state_dict()` returns tensors that alias live ones; a CheckpointManager copies them.
+    the data loader (a torch DataLoader is kept in its exact form or refused: `supervisor.data.loader_part`).
+    `state_dict()` returns tensors that alias live ones; a CheckpointManager copies them.
     Not thread-safe: use it from the training thread.
     """
 
@@ -107,7 +108,7 @@ class TrainingState:
         self.rank_states: dict[str, Any] | None = None
 
     def register(self, name: str, obj: Any) -> Any:
-        """Register `obj` under `name`; returns `obj`."""
+        """Register `obj` under `name`; returns `obj` (`self[name]` is what is saved: maybe a loader's wrapper)."""
         if not isinstance(name, str) or not name or "." in name or "#" in name:
             raise StateNameError(
                 f"register(): name: expected a non-empty string without '.' or '#', got {name!r}"
@@ -116,14 +117,19 @@ class TrainingState:
             raise StateNameError(f"register(): name {name!r} is reserved ({', '.join(RESERVED)})")
         if name in self._parts:
             raise StateNameError(f"register(): {name!r} is already registered")
+        part = obj
+        if isinstance(obj, torch.utils.data.DataLoader):
+            from supervisor.data import loader_part  # data.py builds on this module
+
+            part = loader_part(name, obj)
         if not (
-            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+            callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))
         ):
             raise StateNameError(
                 f"register({name!r}): expected an object with state_dict() and load_state_dict(), "
                 f"got {type(obj).__qualname__}"
             )
-        self._parts[name] = obj
+        self._parts[name] = part
         return obj
 
     @property

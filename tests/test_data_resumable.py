@@ -1,14 +1,22 @@
-"""ResumableLoader: identical batches after a resume at any position, across epochs; skip_batches()."""
+"""Exact data position: ResumableLoader (workers' RNG included), a registered plain StatefulDataLoader, and the
+refusal of loaders that cannot resume; identical batches after a resume at any position, across epochs."""
 
 from __future__ import annotations
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from supervisor.data import ResumableLoader
+from supervisor.data import LoaderError, ResumableLoader, StatefulLoaderState, WorkerRNG
+from supervisor.errors import UserError
+from supervisor.state import TrainingState
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own noise
 
 DATA = torch.arange(23)
 EPOCHS = 3
@@ -113,3 +121,160 @@ def test_resume_with_worker_processes():
         resumed.load_state_dict(copy.deepcopy(loader.state_dict()))
         rest = [b.tolist() for _ in range(EPOCHS + 1) for b in resumed]
         assert (seen + rest)[: len(reference)] == reference
+
+
+class Augmented(Dataset):
+    """Each sample carries one draw from torch, NumPy and Python `random`, made where the sample is read."""
+
+    def __len__(self) -> int:
+        return len(DATA)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), torch.rand(()).item(), float(np.random.rand()), random.random()])
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _registered(make) -> tuple[TrainingState, object]:
+    state = TrainingState()
+    loader = make()
+    state.register("data", loader)
+    return state, loader
+
+
+def _resumes_exactly(make, k: int, total: int = 3 * 6) -> bool:
+    """Batches and every RNG stream after a resume at batch `k` equal a run that never stopped.
+
+    The saved state goes through TrainingState (as a checkpoint does) into a fresh loader built after the
+    process's RNG streams moved on, as in a new process.
+    """
+    _seed_everything(0)
+    reference = take(_registered(make)[1], total)
+    after = (torch.rand(2), np.random.rand(), random.random())
+    _seed_everything(0)
+    state, loader = _registered(make)
+    seen = take(loader, k)
+    saved = copy.deepcopy(state.state_dict())
+    del loader
+    _seed_everything(123)
+    state, resumed = _registered(make)
+    state.load_state_dict(saved)
+    got = seen + take(resumed, total - k)
+    again = (torch.rand(2), np.random.rand(), random.random())
+    return reference == got and torch.equal(after[0], again[0]) and after[1:] == again[1:]
+
+
+def _augmented(**kw) -> ResumableLoader:
+    return ResumableLoader(Augmented(), batch_size=4, shuffle=True, seed=7, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
+def test_worker_augmentation_draws_resume_exactly(persistent):
+    """num_workers=2, random draws inside the workers: mid-epoch, at an epoch's end and in the next epoch."""
+    make = lambda: _augmented(num_workers=2, persistent_workers=persistent)  # noqa: E731
+    assert [k for k in (1, 4, 6, 9) if not _resumes_exactly(make, k)] == []
+
+
+@pytest.mark.parametrize("k", [0, 2, 5, 6, 8, 13])
+@pytest.mark.parametrize("seeded", [True, False], ids=["generator", "global-rng"])
+def test_a_registered_plain_stateful_dataloader_resumes_exactly(k, seeded):
+    """The README's "anything with state_dict()": torchdata's own loader, shuffled, registered as it is."""
+
+    def make():
+        gen = torch.Generator().manual_seed(7) if seeded else None
+        return StatefulDataLoader(Augmented(), batch_size=4, shuffle=True, generator=gen)
+
+    assert _resumes_exactly(make, k)
+    assert isinstance(_registered(make)[0]["data"], StatefulLoaderState)
+
+
+def test_resumable_loader_without_workers_resumes_augmentation_exactly():
+    assert [k for k in (0, 3, 6, 7, 12) if not _resumes_exactly(_augmented, k)] == []
+
+
+def test_skip_batches_works_on_a_registered_plain_stateful_dataloader():
+    state, loader = _registered(
+        lambda: StatefulDataLoader(
+            DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+        )
+    )
+    reference = epochs(
+        StatefulDataLoader(DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)), 2
+    )
+    assert state["data"].skip_batches(8) == 1
+    assert state["data"].batches_skipped == 8
+    assert [b.tolist() for b in loader] == reference[8:12]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_plain_dataloader_is_refused_naming_resumable_loader(shuffle):
+    with pytest.raises(LoaderError, match="ResumableLoader") as info:
+        TrainingState().register("data", DataLoader(DATA, batch_size=4, shuffle=shuffle))
+    assert isinstance(info.value, UserError) and "register('data')" in str(info.value)
+    assert ("shuffle=True" in str(info.value)) == shuffle
+
+
+def test_a_stateful_dataloader_with_workers_is_refused_unless_its_dataset_saves_itself():
+    with pytest.raises(LoaderError, match=r"num_workers=2.*ResumableLoader"):
+        TrainingState().register("data", StatefulDataLoader(Augmented(), batch_size=4, num_workers=2))
+
+    class SavesItself(Augmented):
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    loader = StatefulDataLoader(SavesItself(), batch_size=4, num_workers=2)
+    assert TrainingState().register("data", loader) is loader
+
+
+def test_resumable_loader_refuses_an_iterable_dataset_with_workers():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    with pytest.raises(LoaderError, match="IterableDataset"):
+        ResumableLoader(Stream(), batch_size=2, num_workers=2)
+    assert [b.tolist() for b in ResumableLoader(Stream(), batch_size=4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_worker_rng_wraps_only_with_workers_and_keeps_batched_reads():
+    class Batched(Augmented):
+        def __getitems__(self, indices):
+            return [torch.tensor([float(i), 0.0, 0.0, 0.0]) for i in indices]
+
+    assert not isinstance(_augmented().dataset, WorkerRNG)
+    loader = ResumableLoader(Batched(), batch_size=4, num_workers=1)
+    assert isinstance(loader.dataset, WorkerRNG)
+    assert next(iter(loader))[:, 1:].abs().sum().item() == 0.0  # read through __getitems__
+
+
+@pytest.mark.slow
+def test_a_plain_stateful_dataloader_with_workers_resumes_exactly_over_worker_rng():
+    def make():
+        gen = torch.Generator().manual_seed(7)
+        return StatefulDataLoader(
+            WorkerRNG(Augmented()), batch_size=4, shuffle=True, generator=gen, num_workers=2
+        )
+
+    assert [k for k in (3, 7) if not _resumes_exactly(make, k)] == []
+
+
+def test_a_plain_stateful_dataloader_still_loads_a_state_saved_without_the_wrapper():
+    def make():
+        return StatefulDataLoader(
+            DATA, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+        )
+
+    reference = epochs(make(), 1)
+    old = make()
+    take(old, 2)
+    state, loader = _registered(make)
+    state.load_state_dict({"data": copy.deepcopy(old.state_dict())})
+    assert [b.tolist() for b in loader] == reference[2:6]

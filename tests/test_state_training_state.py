@@ -123,3 +123,24 @@ def test_live_tensors_alias_model_and_optimizer_memory():
     live = state.live_tensors()
     assert live["model.0.weight"].data_ptr() == model[0].weight.data_ptr()
     assert live["optimizer.state.0.exp_avg"].data_ptr() == opt.state[model[0].weight]["exp_avg"].data_ptr()
+
+
+def test_a_plain_stateful_dataloader_is_kept_in_its_exact_form():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from supervisor.data import StatefulLoaderState
+
+    loader = StatefulDataLoader(torch.arange(8), batch_size=2, shuffle=True, generator=torch.Generator())
+    state = TrainingState()
+    assert state.register("data", loader) is loader  # the caller keeps its own object
+    assert isinstance(state["data"], StatefulLoaderState) and state["data"].loader is loader
+    assert set(state.state_dict()["data"]) == {"loader", "generator", "batches_skipped"}
+
+
+def test_a_plain_dataloader_is_refused_with_the_fix():
+    with pytest.raises(UserError, match="ResumableLoader"):
+        TrainingState().register("data", torch.utils.data.DataLoader(torch.arange(8), shuffle=True))
+
+
+def test_worker_rng_capture_leaves_cuda_out():
+    assert "cuda" not in capture_rng(cuda=False)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from supervisor.checkpoint import CheckpointInfo, CheckpointOptions, KeepBestSpec
+from supervisor.runtime.lr_scale import apply_lr_scale as apply_lr_scale  # the session applies it
 from supervisor.runtime.plan import LaunchPlan
 
 #: The policy a stand-alone run uses when it is given none.
@@ -39,30 +40,42 @@ def checkpoint_options(
         memory_slots=ck.memory_slots,
         verify=ck.verify,
         config=config,
+        allow_nonfinite=ck.allow_nonfinite,
     )
 
 
 def to_records(infos: Iterable[CheckpointInfo], invalid: Iterable[str] = ()) -> list[Any]:
-    """The store's info records as the decision engine's catalogue; abandoned or invalid ones are not valid."""
+    """The store's infos as the engine's catalogue: abandoned or invalid ones not valid, unhealthy ones marked."""
     from policies import CheckpointRecord
 
     bad = set(invalid)
     return [
         CheckpointRecord(
-            i.id, i.step, dict(i.metrics), valid=not i.abandoned and i.id not in bad, wall_time=i.wall_time
+            i.id,
+            i.step,
+            dict(i.metrics),
+            valid=not i.abandoned and i.id not in bad,
+            wall_time=i.wall_time,
+            healthy=i.healthy,
         )
         for i in infos
     ]
 
 
-def apply_lr_scale(optimizers: list[torch.optim.Optimizer], schedulers: list[Any], scale: float) -> None:
-    """Scale the learning rate for good: optimizer groups and the schedulers' base LRs (both are checkpointed)."""
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] *= scale
-            if "initial_lr" in group:
-                group["initial_lr"] *= scale
-    for sched in schedulers:
-        sched.base_lrs = [lr * scale for lr in sched.base_lrs]
-        if hasattr(sched, "_last_lr"):
-            sched._last_lr = [lr * scale for lr in sched._last_lr]
+def part_kind(obj: Any) -> str:
+    """What a registered object is to the session: "optimizer", "scheduler", "loader" or "other".
+
+    Decided by type and protocol, never by class name: any `LRScheduler` (ReduceLROnPlateau, SequentialLR and
+    ChainedScheduler included) or an object with `base_lrs` is a scheduler; any torch `DataLoader` (plain
+    ones are refused or wrapped when registered, see `supervisor.data.loader_part`) or an object with
+    `skip_batches()` is the data loader.
+    """
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, LRScheduler | ReduceLROnPlateau) or hasattr(obj, "base_lrs"):
+        return "scheduler"
+    if isinstance(obj, torch.utils.data.DataLoader) or callable(getattr(obj, "skip_batches", None)):
+        return "loader"
+    return "other"
