@@ -53,6 +53,7 @@ _mount(bench_app, "checkpoint", "supervisor.checkpoint.bench")
 _mount(bench_app, "monitor", "supervisor.monitor.bench")
 _mount(bench_app, "rollback", "benchmarks.bench_rollback")
 _mount(bench_app, "goodput", "benchmarks.bench_goodput")
+_mount(bench_app, "chaos", "benchmarks.bench_chaos")
 app.add_typer(bench_app, name="bench")
 for _name, _module in (
     ("run", "flows.cli_run"),
