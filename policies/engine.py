@@ -65,6 +65,7 @@ def _stop(
     policy: Policy, event: Event, index: int, head: str, catalogue: Sequence[CheckpointRecord]
 ) -> Decision:
     keep = policy.checkpoint.keep_best
+    catalogue, _ = _usable(policy, catalogue)
     selector = selectors.best(keep.metric, keep.mode) if keep else selectors.latest()
     chosen = selector(catalogue, event) or (selectors.latest()(catalogue, event) if keep else None)
     kept = (
@@ -113,10 +114,17 @@ def _relaunch(
         if level:
             selector, note = _escalate(selector, level, limits.escalation)
             notes.append(note)
-    candidates = [c for c in catalogue if c.valid]
+    candidates, unhealthy = _usable(policy, [c for c in catalogue if c.valid])
+    skipped = (
+        f"skipped {len(unhealthy)} unhealthy checkpoint(s) (NaN or infinity in the state: "
+        f"{', '.join(c.id for c in unhealthy)}; checkpoint.allow_nonfinite is false)"
+        if unhealthy
+        else ""
+    )
     onset = selectors.onset_of(event)
-    if rollback and onset is not None:  # never roll back to a checkpoint saved inside the anomaly
-        candidates = [c for c in candidates if c.step < onset]
+    if rollback and onset is not None:  # never roll back to the state that produced the anomaly, or later
+        clean = selectors.last_clean_step(onset)
+        candidates = [c for c in candidates if c.step <= clean]
     try:
         chosen = selector(candidates, event)
     except Exception as exc:  # a broken custom selector fails the run with its reason instead of a crash
@@ -128,8 +136,11 @@ def _relaunch(
         return _fail(event, index, f"{head}; selector {selector} returned {shown!r}, not a valid candidate")
     if chosen is None:
         scope = f"{len(candidates)} valid checkpoint(s)" + (
-            f" before step {onset}" if rollback and onset is not None else ""
+            f" at or before step {selectors.last_clean_step(onset)} (onset {onset})"
+            if rollback and onset is not None
+            else ""
         )
+        scope += f" ({skipped})" if skipped else ""
         if not rule.allow_scratch:
             return _fail(
                 event,
@@ -147,6 +158,12 @@ def _relaunch(
         if lookback is not None:
             why += f", i.e. saved at or before step {selectors.cutoff_step(candidates, event, lookback)}"
         notes.insert(0, f"{verb} {_describe_record(chosen, getattr(selector, 'metric', None))} {why}")
+        if not chosen.healthy:
+            notes.insert(
+                1, f"{chosen.id} is unhealthy (NaN or infinity), allowed by checkpoint.allow_nonfinite"
+            )
+        if skipped:
+            notes.insert(1, skipped)
     rollbacks_after = history.rollbacks + int(rollback)
     restarts_after = history.restarts + 1
     attempt = 1 + history.relaunches_since(now - limits.backoff.reset_after_seconds)
@@ -170,6 +187,15 @@ def _relaunch(
         rule_index=index,
         event=event,
     )
+
+
+def _usable(
+    policy: Policy, catalogue: Sequence[CheckpointRecord]
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """(the records a decision may pick, the unhealthy ones it skipped): unhealthy only when the policy allows."""
+    if policy.checkpoint.allow_nonfinite:
+        return list(catalogue), []
+    return [c for c in catalogue if c.healthy], [c for c in catalogue if c.valid and not c.healthy]
 
 
 def _budget_spent(rollback: bool, history: History, limits: Limits) -> str | None:

@@ -7,6 +7,11 @@
 
 None of them ever returns an invalid checkpoint. "Onset" is the event's `onset_step`, else its `step`;
 an event with neither is measured from the newest valid checkpoint.
+
+Steps: checkpoint step s is the state after s optimizer updates, saved after step s. The metrics logged at step s
+were computed before step s's update, from the state after s - 1 updates, i.e. by checkpoint s - 1. So an
+anomaly whose first bad metric is at step `onset` came from the state of checkpoint onset - 1: a rollback
+target is at most step onset - 2 (`last_clean_step`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ Selector = Callable[[Sequence[CheckpointRecord], Event], "CheckpointRecord | Non
 def onset_of(event: Event) -> int | None:
     """The first step of the anomaly: `onset_step`, else the step it was noticed at, else None."""
     return event.onset_step if event.onset_step is not None else event.step
+
+
+def last_clean_step(onset: int) -> int:
+    """The newest checkpoint step whose state did not produce the anomaly first seen at step `onset`."""
+    return onset - 2
 
 
 def _valid(catalogue: Sequence[CheckpointRecord]) -> list[CheckpointRecord]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -388,3 +389,22 @@ def test_a_rollback_target_that_retention_deleted_meanwhile_still_abandons_what_
         gone = mgr.abandon_after(restored, wait=False)
         assert [i.id for i in gone] == [later.id]
         assert [(i.id, i.abandoned) for i in mgr.list()] == [(later.id, True)]  # never "latest" on a restart
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"remote": "file://{tmp}/a-file/store"},  # listing the remote fails: it lies below a regular file
+        {"config": {"lr": 0.1, 3: "mixed key types"}},  # the config cannot be hashed (keys are not sortable)
+    ],
+    ids=["unreadable remote", "unhashable config"],
+)
+def test_a_failing_init_releases_the_store_lock_and_leaves_no_thread(tmp_path, bad):
+    (tmp_path / "a-file").write_text("not a directory")
+    kw = {k: v.format(tmp=tmp_path) if isinstance(v, str) else v for k, v in bad.items()}
+    before = set(threading.enumerate())
+    with pytest.raises((OSError, TypeError)):
+        CheckpointManager(opts(tmp_path, **kw), Tiny().state)
+    assert set(threading.enumerate()) == before
+    with CheckpointManager(opts(tmp_path), Tiny().state) as mgr:  # the same process takes the lock again
+        assert mgr.save(1).step == 1

@@ -12,8 +12,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from supervisor.checkpoint.catalog import best_of
 from supervisor.checkpoint.dedup import DedupIndex
-from supervisor.checkpoint.flatten import flatten
+from supervisor.checkpoint.flatten import child_path, flatten
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import (
     ABANDONED,
@@ -65,16 +68,20 @@ class CheckpointManager:
         self._store = LocalStore(options.directory)
         self._catalog = self._store.catalog
         self._closed = False
+        self._writer: ThreadPoolExecutor | None = None
+        self._uploader: ThreadPoolExecutor | None = None
         try:
-            self._remote = RemoteTier(options.remote) if options.remote else None
-        except BaseException:
-            self._store.close()
+            self._open(options)
+        except BaseException:  # the store lock and the pools would outlive a manager nobody can close
+            self._release()
             raise
+
+    def _open(self, options: CheckpointOptions) -> None:
+        """Everything __init__ does once it holds the store lock."""
+        self._remote = RemoteTier(options.remote) if options.remote else None
         slots = max(options.memory_slots, options.max_in_flight if options.async_save else 0)
         self._ring = SnapshotRing(slots)
         self._tiers = Tiers(self._store, self._remote, self._ring)
-        self._writer = ThreadPoolExecutor(1, "ckpt-writer") if options.async_save else None
-        self._uploader = ThreadPoolExecutor(1, "ckpt-upload") if self._remote else None
         self._pending: deque[Future[Any]] = deque()
         self._writes: deque[Future[Any]] = deque()  # the writes among _pending, for writing()
         self._slots = threading.BoundedSemaphore(options.max_in_flight)
@@ -96,6 +103,8 @@ class CheckpointManager:
         self._parent: str | None = None
         self._last: CheckpointInfo | None = None
         self._provenance = (library_versions(), git_commit(), config_hash(options.config))
+        self._writer = ThreadPoolExecutor(1, "ckpt-writer") if options.async_save else None
+        self._uploader = ThreadPoolExecutor(1, "ckpt-upload") if self._remote else None
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(
@@ -110,7 +119,8 @@ class CheckpointManager:
         """Snapshot the state as checkpoint `step` and write it (in the background with async_save).
 
         A step this branch already saved is not saved again (its info is returned) unless `force`. With
-        async_save the returned info describes the pending commit; get(id) after wait() has the final one.
+        async_save the returned info describes the pending commit; get(id) after wait() has the final one (and
+        pending() the health mark, which the writer reads from the copy so that training does not wait for it).
         `before_commit` runs after the files are written and before they are committed (on the writer thread
         with async_save); if it raises, the checkpoint is not committed.
         """
@@ -130,33 +140,86 @@ class CheckpointManager:
         meta = CheckpointMeta(cid, seq, step, self._clock(), metrics, self._parent, *self._provenance)
         path = self._store.path(CKPT_PREFIX + cid)
         info = CheckpointInfo(cid, step, meta.wall_time, metrics, self._parent, path, seq, ("memory",))
+        checked = self._checked()
         if self._writer is not None:
             self._slots.acquire()
             try:
-                snap = self._ring.capture(cid, skeleton, live, {"info": info})
+                snap = self._ring.capture(cid, skeleton, live, {"info": info}, checked)
             except BaseException:
                 self._slots.release()
                 raise
             with self._lock:
                 self._inflight[cid] = (replace(info, nbytes=snap.nbytes), None)
-            write = self._writer.submit(self._write, meta, snap.skeleton, snap.tensors, snap, before_commit)
+            write = self._writer.submit(self._write, meta, snap, before_commit)
             with self._lock:
                 if cid in self._inflight:
                     self._inflight[cid] = (self._inflight[cid][0], write)
             self._pending.append(write)
             self._writes.append(write)
+            ring = True
         else:
-            snap = self._ring.capture(cid, skeleton, live, {"info": info}) if len(self._ring) else None
-            if snap is not None:
-                self._write(meta, snap.skeleton, snap.tensors, snap, before_commit)
+            ring = bool(len(self._ring))
+            if ring:
+                snap = self._ring.capture(cid, skeleton, live, {"info": info}, checked)
             else:
-                self._write(meta, skeleton, host_tensors(live), None, before_commit)
-        tiers = (("memory",) if snap else ()) + (("local",) if self._writer is None else ())
-        nbytes = snap.nbytes if snap else sum(t.numel() * t.element_size() for t in live.values())
-        info = replace(info, tiers=tiers, nbytes=nbytes)
+                host = host_tensors(live)
+                nbytes = sum(t.numel() * t.element_size() for t in host.values())
+                snap = Snapshot(cid, skeleton, host, nbytes, {"info": info}, checked)
+            self._write(meta, snap, before_commit, ring=ring)
+            info = replace(info, nonfinite=snap.nonfinite())
+        tiers = (("memory",) if ring else ()) + (("local",) if self._writer is None else ())
+        info = replace(info, tiers=tiers, nbytes=snap.nbytes)
         self._parent, self._last = cid, info
         log.info("Saved checkpoint %s: training blocked %.3fs", cid, time.monotonic() - started)
         return info
+
+    def _checked(self) -> Callable[[str], bool]:
+        """Which tensors a snapshot's health covers: all of them but module buffers.
+
+        Parameters and optimizer state must be finite; a buffer may hold an infinity on purpose (an additive
+        attention mask), and a NaN in one comes with NaN parameters anyway.
+        """
+        buffers = set()
+        for name in self.state.names:
+            part = self.state[name]
+            if isinstance(part, torch.nn.Module):
+                buffers |= {child_path(name, b) for b, _ in part.named_buffers(remove_duplicate=False)}
+        return lambda tensor: tensor not in buffers
+
+    def _health(self, meta: CheckpointMeta, snap: Snapshot) -> CheckpointMeta:
+        """Read the snapshot's health before writing it: an unhealthy one is written, marked and logged."""
+        nonfinite = snap.nonfinite()
+        if not nonfinite:
+            return meta
+        shown = ", ".join(nonfinite[:3]) + (f" and {len(nonfinite) - 3} more" if len(nonfinite) > 3 else "")
+        allowed = (
+            "checkpoint.allow_nonfinite is true, so it may still be"
+            if self.options.allow_nonfinite
+            else "it is never"
+        )
+        log.warning(
+            "Checkpoint %s (step %d) is unhealthy: NaN or infinity in %d tensor(s) (%s); %s a rollback target or "
+            "the latest to resume from",
+            meta.id, meta.step, len(nonfinite), shown, allowed,
+        )  # fmt: skip
+        snap.meta["info"] = replace(snap.meta["info"], nonfinite=nonfinite)
+        with self._lock:
+            if meta.id in self._inflight:
+                info, write = self._inflight[meta.id]
+                self._inflight[meta.id] = (replace(info, nonfinite=nonfinite), write)
+        return replace(meta, nonfinite=nonfinite)
+
+    def _usable(self, info: CheckpointInfo, why: str) -> bool:
+        """Whether `latest` may pick `info`: not abandoned, and healthy unless the options allow otherwise."""
+        if info.abandoned:
+            return False
+        if info.healthy or self.options.allow_nonfinite:
+            return True
+        log.warning(
+            "Not %s checkpoint %s: unhealthy (NaN or infinity in %s); set checkpoint.allow_nonfinite to allow it",
+            why, info.id, ", ".join(info.nonfinite[:3]),
+        )  # fmt: skip
+        return False
 
     def writing(self) -> bool:
         """Whether save() would now block on earlier background writes (`max_in_flight` of them pending)."""
@@ -165,19 +228,21 @@ class CheckpointManager:
     def _write(
         self,
         meta: CheckpointMeta,
-        skeleton: Any,
-        tensors: dict[str, Any],
-        snap: Snapshot | None = None,
+        snap: Snapshot,
         before_commit: Callable[[], Any] | None = None,
+        *,
+        ring: bool = True,
     ) -> None:
+        """Write `snap` (held in the ring, or host tensors of a synchronous save that has no ring)."""
         started = time.monotonic()
         abandoned = False
         try:
             with self._lock:
                 if meta.id in self._abandon_on_commit:  # rolled back past before its write began: skip it
                     raise _Abandoned(meta.id)
+            meta = self._health(meta, snap)
             gate = lambda: self._gate(meta.id, before_commit)  # noqa: E731
-            manifest = write_checkpoint(self._store, meta, skeleton, tensors, self._index, gate)
+            manifest = write_checkpoint(self._store, meta, snap.skeleton, snap.tensors, self._index, gate)
             self._manifests[meta.id] = manifest
             if self._index is not None:
                 self._index.add(manifest)
@@ -203,7 +268,7 @@ class CheckpointManager:
             with self._lock:
                 self._errors.append((meta.id, exc))
         finally:
-            if snap is not None:
+            if ring:
                 self._ring.release(snap)
                 if abandoned or not self.options.memory_slots:
                     self._ring.drop(meta.id)
@@ -234,8 +299,10 @@ class CheckpointManager:
         """Saves still being written, oldest first, that the memory ring holds: restorable now, committed soon."""
         with self._lock:
             infos = [info for info, _ in self._inflight.values() if info.id not in self._abandon_on_commit]
-        held = {s.id for s in self._ring.snapshots()}
-        return sorted((i for i in infos if i.id in held), key=lambda i: i.seq)
+        held = {s.id: s for s in self._ring.snapshots()}
+        # The health mark is read from the copy once, usually by the writer already; if not, here and now.
+        marked = [replace(i, nonfinite=held[i.id].nonfinite()) for i in infos if i.id in held]
+        return sorted(marked, key=lambda i: i.seq)
 
     def _policy(self) -> Any:
         with self._lock:
@@ -315,12 +382,15 @@ class CheckpointManager:
             while self._pending:
                 self._pending.popleft().exception()
         finally:
-            for pool in (self._writer, self._uploader):
-                if pool is not None:
-                    pool.shutdown(wait=True)
-            self._store.close()
-            self._closed = True
+            self._release()
         self._raise_background()
+
+    def _release(self) -> None:
+        for pool in (self._writer, self._uploader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._store.close()
+        self._closed = True
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -346,14 +416,25 @@ class CheckpointManager:
         return self._tiers.get(checkpoint_id)
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest commit (by seq) that is not abandoned and passes a fast check in some tier."""
+        """The newest commit (by seq) that is not abandoned, is healthy and passes a fast check in some tier.
+
+        An unhealthy one counts only with `allow_nonfinite`.
+        """
         self._check()
-        return self._tiers.latest()
+        for info in reversed(self._tiers.list()):
+            if self._usable(info, "taking as latest") and self._tiers.valid_somewhere(info):
+                return info
+        return None
 
     def best(self, metric: str, mode: str = "min") -> CheckpointInfo | None:
-        """The live checkpoint with the best `metric` that passes a fast check; ties go to the newest."""
+        """The live, healthy checkpoint with the best `metric` that passes a fast check; ties go to the newest."""
         self._check()
-        return self._tiers.best(metric, mode)
+        infos = [i for i in self._tiers.list() if i.healthy or self.options.allow_nonfinite]
+        while (found := best_of(infos, metric, mode)) is not None:
+            if self._tiers.valid_somewhere(found):
+                return found
+            infos = [i for i in infos if i.id != found.id]
+        return None
 
     def _resolve(self, which: Which) -> CheckpointInfo:
         return self._tiers.get(which.id if isinstance(which, CheckpointInfo) else which)
@@ -375,7 +456,9 @@ class CheckpointManager:
             return self._restore(self._resolve(which), prefixes, tier)
         reasons = []
         for info in reversed(self._tiers.list()):
-            if info.abandoned:
+            if not self._usable(info, "restoring"):
+                if not info.abandoned:
+                    reasons.append(f"{info.id}: unhealthy (NaN or infinity in its state)")
                 continue
             try:
                 return self._restore(info, prefixes, tier)
@@ -407,9 +490,12 @@ class CheckpointManager:
         with self._lock:
             abandoned |= self._abandon_on_commit
         if which == "latest":
-            live = [s for s in snaps if s.id not in abandoned]
+            live = [s for s in snaps if s.id not in abandoned and self._usable(_info(s), "restoring")]
             if not live:
-                raise CheckpointNotFound("restore_memory(): the memory ring holds no snapshot")
+                held = f"only {len(snaps)} abandoned or unhealthy one(s)" if snaps else "nothing"
+                raise CheckpointNotFound(
+                    f"restore_memory(): no snapshot to restore in the memory ring ({held})"
+                )
             snap = live[-1]
         else:
             cid = which.id if isinstance(which, CheckpointInfo) else which
@@ -422,7 +508,7 @@ class CheckpointManager:
         started = time.monotonic()
         restore_snapshot(snap, self.state, None if prefixes is None else list(prefixes))
         log.info("Restored checkpoint %s from the memory tier in %.3fs", snap.id, time.monotonic() - started)
-        info = replace(snap.meta["info"], tiers=("memory",), nbytes=snap.nbytes)
+        info = replace(_info(snap), tiers=("memory",), nbytes=snap.nbytes)
         self._parent, self._last = info.id, info
         return info
 
@@ -491,6 +577,11 @@ class CheckpointManager:
             if isinstance(which, CheckpointInfo):
                 return which
             raise
+
+
+def _info(snap: Snapshot) -> CheckpointInfo:
+    """The info of a snapshot held in the ring, with its health mark."""
+    return replace(snap.meta["info"], nonfinite=snap.nonfinite())
 
 
 class _Abandoned(Exception):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from supervisor.checkpoint.fastcopy import copy_tensors
+from supervisor.checkpoint.fastcopy import copy_tensors, nonfinite_in
 
 
 @dataclass
@@ -21,6 +21,24 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)
+    checked: Callable[[str], bool] = field(default=lambda name: True, repr=False, compare=False)
+    """Which tensors nonfinite() looks at."""
+    _nonfinite: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def nonfinite(self) -> tuple[str, ...]:
+        """The checked tensors that hold a NaN or an infinity (the snapshot is unhealthy if any).
+
+        Read from the copy once, by its first caller: the writer thread before it writes, so that the copy,
+        which blocks training, does not pay for it; or the training thread if it needs the mark first (an
+        in-process rollback deciding while the write waits). Call it only while the snapshot is held (busy
+        or kept in the ring): a released slot's buffers are reused.
+        """
+        with self._lock:
+            if self._nonfinite is None:
+                bad = nonfinite_in(((n, t) for n, t in self.tensors.items() if self.checked(n)), threads=1)
+                self._nonfinite = tuple(n for n in self.tensors if n in bad)
+            return self._nonfinite
 
 
 class _Slot:
@@ -47,9 +65,17 @@ class SnapshotRing:
         return len(self._slots)
 
     def capture(
-        self, checkpoint_id: str, skeleton: Any, live: Mapping[str, torch.Tensor], meta: dict[str, Any]
+        self,
+        checkpoint_id: str,
+        skeleton: Any,
+        live: Mapping[str, torch.Tensor],
+        meta: dict[str, Any],
+        checked: Callable[[str], bool] | None = None,
     ) -> Snapshot:
-        """Copy `live` tensors into the oldest free slot (waits for one) and mark it busy until release()."""
+        """Copy `live` tensors into the oldest free slot (waits for one) and mark it busy until release().
+
+        `checked` selects the tensors whose finiteness `Snapshot.nonfinite()` reports (all by default).
+        """
         with self._cond:
             self._cond.wait_for(lambda: any(not s.busy for s in self._slots))
             slot = min((s for s in self._slots if not s.busy), key=lambda s: s.order)
@@ -67,6 +93,7 @@ class SnapshotRing:
             tensors,
             sum(t.numel() * t.element_size() for t in tensors.values()),
             meta,
+            checked or (lambda name: True),
         )
         with self._cond:
             slot.snapshot = snap

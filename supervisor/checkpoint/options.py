@@ -60,6 +60,8 @@ class CheckpointOptions:
     """Reference a tensor already stored with the same content instead of writing it again."""
     config: object = field(default=None, compare=False)
     """Training config (JSON-able, str or bytes) whose hash goes in each manifest."""
+    allow_nonfinite: bool = False
+    """Let latest() and restore("latest") pick an unhealthy checkpoint (NaN or infinity in its state)."""
 
     def __post_init__(self) -> None:
         if not str(self.directory):
@@ -91,6 +93,10 @@ class CheckpointOptions:
             raise CheckpointOptionsError(
                 f"checkpoint.memory_slots: expected an integer >= 0, got {self.memory_slots!r}"
             )
+        if not isinstance(self.allow_nonfinite, bool):
+            raise CheckpointOptionsError(
+                f"checkpoint.allow_nonfinite: expected true or false, got {self.allow_nonfinite!r}"
+            )
         if self.verify not in VERIFY_MODES:
             raise CheckpointOptionsError(
                 f"checkpoint.verify: expected one of {', '.join(VERIFY_MODES)}, got {self.verify!r}"
@@ -120,6 +126,13 @@ class CheckpointInfo:
     """Bytes of tensor state the checkpoint holds."""
     written_bytes: int = 0
     """Bytes of tensor data this checkpoint wrote (the rest was deduplicated)."""
+    nonfinite: tuple[str, ...] = ()
+    """Tensors that held a NaN or an infinity when the snapshot was taken."""
+
+    @property
+    def healthy(self) -> bool:
+        """False when the state was not all finite: never a rollback target or "latest" unless allowed."""
+        return not self.nonfinite
 
 
 def make_id(step: int, seq: int) -> str:

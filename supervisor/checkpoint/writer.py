@@ -31,6 +31,7 @@ class CheckpointMeta:
     versions: dict[str, str]
     git_commit: str | None
     config_hash: str | None
+    nonfinite: tuple[str, ...] = ()
 
 
 def write_checkpoint(
@@ -52,12 +53,11 @@ def write_checkpoint(
         layout = plan(tensors, blob, index)
         files = list(layout.reused_files.values())
         written = 0
-        if layout.new:
-            size, digest = write_blob(
-                os.path.join(staged, f"{cid}.safetensors"), layout.new, {"checkpoint": cid}
-            )
-            files.append(FileEntry(blob, size, digest))
-            written = size
+        # The main blob and, for unchanged tensors copied out of mostly dead blobs, a shared one.
+        for rel, part in layout.writes.items():
+            size, digest = write_blob(os.path.join(staged, os.path.basename(rel)), part, {"checkpoint": cid})
+            files.append(FileEntry(rel, size, digest))
+            written += size
         state_raw = json.dumps(skeleton, separators=(",", ":"), allow_nan=False).encode()
         write_file(os.path.join(staged, STATE), state_raw)
         files.append(
@@ -77,10 +77,11 @@ def write_checkpoint(
             versions=dict(meta.versions),
             git_commit=meta.git_commit,
             config_hash=meta.config_hash,
+            nonfinite=list(meta.nonfinite),
         )
         if before_commit is not None:
             before_commit()
-        store.commit(cid, staged, manifest.to_bytes(), blob if layout.new else None)
+        store.commit(cid, staged, manifest.to_bytes(), list(layout.writes))
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
