@@ -518,7 +518,8 @@ class LineageRunner:
                 catalogs.append(remote)
             except Exception as exc:  # an empty or unreachable remote has nothing to offer yet
                 log.warning("remote checkpoint store %s unavailable: %s", self.layout.remote, exc)
-        return MergedCatalog(catalogs) if catalogs else None
+        allow = self.policy.checkpoint.allow_nonfinite
+        return MergedCatalog(catalogs, allow_nonfinite=allow) if catalogs else None
 
     def _tag_decision(self, decision: Decision, *, in_process: bool) -> None:
         n = len(self.history) - 1  # the same 0-based numbering as the final report

@@ -114,3 +114,16 @@ def test_or_flattens_and_policy_from_settings_composes():
         keep_last=2, keep_best=("loss", "min", 1), keep_every_steps=300, protected={"x"}
     )
     assert built == AnyOf(KeepLast(2), KeepBest("loss", "min", 1), KeepEvery(300), KeepProtected({"x"}))
+
+
+def test_unhealthy_checkpoints_never_push_the_last_healthy_ones_out():
+    """A run that keeps saving NaN weights (issue 14): keep_last still holds the last k good checkpoints."""
+    from dataclasses import replace
+
+    infos = [
+        replace(i, nonfinite=("model.w",)) if i.step >= 300 else i
+        for i in ckpts((100, 5.0), (200, 3.0), (300, None), (400, None), (500, None))
+    ]
+    result = apply_retention(KeepLast(2), infos)
+    assert steps(result.keep) == [100, 200, 400, 500]
+    assert [(i.step, why) for i, why in result.delete] == [(300, "not among the last 2 (and unhealthy)")]

@@ -35,3 +35,19 @@ def test_merged_view_matches_the_training_sides_tiers(tmp_path):
     flip_byte(tmp_path / "local", first.id)
     reason = view.verify(first.id, "full")
     assert reason is not None and "local:" in reason and "remote:" in reason
+
+
+def test_latest_and_best_skip_an_unhealthy_checkpoint(tmp_path):
+    import torch
+
+    t = Tiny()
+    with CheckpointManager(CheckpointOptions(tmp_path / "s", async_save=False), t.state) as mgr:
+        good = mgr.save(1, metrics={"val_loss": 2.0})
+        with torch.no_grad():
+            next(t.model.parameters()).fill_(float("nan"))
+        bad = mgr.save(2, metrics={"val_loss": 1.0})
+    view = MergedCatalog([open_store(tmp_path / "s")])
+    assert not view.list()[-1].healthy and view.list()[-1].id == bad.id
+    assert view.latest().id == good.id and view.best("val_loss").id == good.id
+    permissive = MergedCatalog([open_store(tmp_path / "s")], allow_nonfinite=True)
+    assert permissive.latest().id == bad.id and permissive.best("val_loss").id == bad.id

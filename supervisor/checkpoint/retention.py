@@ -27,15 +27,23 @@ class Policy:
 
 @dataclass(frozen=True)
 class KeepLast(Policy):
-    """Keep the newest `k` commits."""
+    """Keep the newest `k` commits, and the newest `k` healthy ones.
+
+    Unhealthy checkpoints (non-finite state) never count toward the `k` healthy ones, so a run that keeps
+    saving NaN weights can never push its last good checkpoints out.
+    """
 
     k: int
 
     def keeps(self, infos: Sequence[CheckpointInfo], *, abandoned: bool = False) -> set[str]:
-        return set() if abandoned else {i.id for i in sorted(infos, key=lambda i: i.seq)[-self.k :]}
+        if abandoned:
+            return set()
+        ordered = sorted(infos, key=lambda i: i.seq)
+        healthy = [i for i in ordered if i.healthy]
+        return {i.id for i in ordered[-self.k :]} | {i.id for i in healthy[-self.k :]}
 
     def why_not(self, info: CheckpointInfo) -> str:
-        return f"not among the last {self.k}"
+        return f"not among the last {self.k}" + ("" if info.healthy else " (and unhealthy)")
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,22 @@ log = logging.getLogger("rollback_supervisor.checkpoint")
 
 
 class MergedCatalog:
-    """`list`, `verify`, `latest` and `best` over several read-only catalogs. Not thread-safe."""
+    """`list`, `verify`, `latest` and `best` over several read-only catalogs. Not thread-safe.
 
-    def __init__(self, catalogs: list[Catalog]):
+    `latest` and `best` skip checkpoints marked unhealthy (non-finite state) unless `allow_nonfinite`.
+    """
+
+    def __init__(self, catalogs: list[Catalog], *, allow_nonfinite: bool = False):
         self.catalogs = list(catalogs)
+        self.allow_nonfinite = allow_nonfinite
+
+    def _usable(self, info: CheckpointInfo) -> bool:
+        if not (info.healthy or self.allow_nonfinite):
+            log.info(
+                "Skipping checkpoint %s (unhealthy: non-finite %s)", info.id, ", ".join(info.nonfinite[:3])
+            )
+            return False
+        return self.verify(info.id, "fast") is None
 
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints in any tier, oldest commit first; each names the tiers that hold it."""
@@ -49,14 +61,14 @@ class MergedCatalog:
 
     def latest(self) -> CheckpointInfo | None:
         for info in reversed(self.list()):
-            if not info.abandoned and self.verify(info.id, "fast") is None:
+            if not info.abandoned and self._usable(info):
                 return info
         return None
 
     def best(self, metric: str, mode: str = "min") -> CheckpointInfo | None:
         infos = self.list()
         while (found := best_of(infos, metric, mode)) is not None:
-            if self.verify(found.id, "fast") is None:
+            if self._usable(found):
                 return found
             infos = [i for i in infos if i.id != found.id]
         return None
