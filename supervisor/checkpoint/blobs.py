@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 import xxhash
+
+from supervisor.checkpoint import safetensors_header
 
 #: Safetensors dtype names (the format's spec), by torch dtype.
 DTYPE_NAMES = {
@@ -36,6 +38,7 @@ DTYPE_NAMES = {
     torch.uint64: "U64",
 }
 DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+assert DTYPES.keys() == safetensors_header.ITEMSIZE.keys()
 _CHUNK = 1 << 20  # read and hash a chunk while it is still in cache
 
 
@@ -91,36 +94,13 @@ def write_blob(
     return 8 + len(raw) + offset, h.hexdigest()
 
 
-@dataclass(frozen=True)
-class BlobEntry:
-    """Where one tensor lies in a blob file."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
+#: Where one tensor lies in a blob file: byte range in the data region, safetensors dtype name, shape.
+BlobEntry = safetensors_header.HeaderEntry
 
 
 def parse_header(head: bytes, file_size: int) -> tuple[int, dict[str, BlobEntry]]:
-    """Parse a safetensors header; returns (data start, entries). Raises ValueError with the reason."""
-    if len(head) < 8:
-        raise ValueError(f"file is {len(head)} bytes, shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", head[:8])
-    if 8 + n > file_size or 8 + n > len(head):
-        raise ValueError(f"header length {n} runs past the end of the file ({file_size} bytes)")
-    try:
-        raw = json.loads(head[8 : 8 + n])
-    except ValueError as exc:
-        raise ValueError(f"header is not valid JSON ({exc})") from None
-    entries = {}
-    for name, e in raw.items():
-        if name == "__metadata__":
-            continue
-        start, end = e["data_offsets"]
-        if e["dtype"] not in DTYPES or not 0 <= start <= end or 8 + n + end > file_size:
-            raise ValueError(f"tensor {name!r}: bad dtype or offsets {e}")
-        entries[name] = BlobEntry(DTYPES[e["dtype"]], tuple(e["shape"]), start, end)
-    return 8 + n, entries
+    """Parse and validate a safetensors header; returns (data start, entries). ValueError says what is wrong."""
+    return safetensors_header.parse_header(head, file_size)
 
 
 class BlobReader:
@@ -128,9 +108,14 @@ class BlobReader:
 
     def __init__(self, path: str):
         self.path = path
-        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        # O_NONBLOCK: a FIFO planted under a blob's name must not hang the restore; it is refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._f = open(fd, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         try:
-            self.size = os.fstat(self._f.fileno()).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError("not a regular file")
+            self.size = info.st_size
             self.head = _read_head(self._f, self.size)
             self.base, self.entries = parse_header(self.head, self.size)
         except BaseException:
@@ -155,7 +140,9 @@ class BlobReader:
 
 
 def _read_head(f: BinaryIO, size: int) -> bytes:
+    """The first 8 + N bytes (N from the first 8), N checked against the file and the format's limit first."""
     head = f.read(8)
-    if len(head) == 8:
-        head += f.read(min(struct.unpack("<Q", head)[0], size))
+    n = safetensors_header.header_length(head, size)
+    while len(head) < 8 + n and (chunk := f.read(8 + n - len(head))):
+        head += chunk
     return head

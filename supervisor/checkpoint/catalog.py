@@ -6,11 +6,13 @@ import contextlib
 import logging
 import os
 import posixpath
+import stat
 from collections.abc import Callable
 from typing import Any
 
 import fsspec
 import xxhash
+from fsspec.implementations.local import LocalFileSystem
 
 from supervisor.checkpoint.manifest import (
     ABANDONED,
@@ -18,31 +20,76 @@ from supervisor.checkpoint.manifest import (
     CKPT_PREFIX,
     MANIFEST,
     MARKER,
+    MAX_MARKER,
     Manifest,
+    TensorRef,
     check_marker,
     marker_pin,
 )
 from supervisor.checkpoint.options import VERIFY_MODES, CheckpointInfo, parse_id
+from supervisor.checkpoint.paths import LeavesStore, name_leaves, resolves_outside
 from supervisor.checkpoint.retention import Policy, RetentionResult, apply_retention
+from supervisor.checkpoint.safetensors_header import HeaderEntry, header_length, parse_header
 from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 _CHUNK = 1 << 24
+#: The most a manifest or state.json may hold: a 100k-tensor state's is about 30 MB.
+MAX_JSON = 256 << 20
 
 
 class Catalog:
     """The committed checkpoints of one store, read without a live training state.
 
     Reads are safe while a writer saves to the same store; `gc` is not (it refuses a locked local store).
+    Nothing outside the store root is ever opened: names are checked (`confined`), and on a local disk so
+    are the symlinks they resolve through.
     """
 
     def __init__(self, fs: Any, root: str, *, tier: str = "local", url: str | None = None):
         self.fs, self.root, self.tier = fs, root.rstrip("/") or "/", tier
         self.url = url or root
         self.writer_lock: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+        self.on_disk = isinstance(fs, LocalFileSystem)
+        # Parsed manifests by id, with the xxh3-128 of the bytes they came from: list(), verify() and a
+        # restore each read the same manifest, and checking every field of a 100k-tensor one takes a while.
+        self._parsed: dict[str, tuple[str, Manifest]] = {}
 
     def path(self, rel: str) -> str:
+        """Where `rel` is, by name alone (for names the store wrote itself; `confined` for names it read)."""
         return posixpath.join(self.root, rel)
+
+    def leaves(self, rel: str) -> str | None:
+        """Why `rel` leads out of the store (its name, or on a local disk a symlink); None when it stays in."""
+        why = name_leaves(rel)
+        if why is None and self.on_disk:
+            why = resolves_outside(self.root, self.path(rel))
+        return why
+
+    def confined(self, rel: str) -> str:
+        """path(rel) after checking that it stays inside the store; LeavesStore (a ValueError) if not."""
+        if why := self.leaves(rel):
+            raise LeavesStore(rel, why)
+        return self.path(rel)
+
+    def read(self, rel: str, limit: int = MAX_JSON) -> bytes:
+        """A whole small file of the store, at most `limit` bytes; OSError if absent, ValueError if refused."""
+        path = self.confined(rel)
+        if not self.on_disk:
+            raw = self.fs.cat_file(path, start=0, end=limit + 1)
+        else:
+            # O_NONBLOCK: a FIFO planted in the store must not hang a reader; it is refused below.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{rel} is not a regular file")
+                with open(fd, "rb", closefd=False) as fh:
+                    raw = fh.read(limit + 1)
+            finally:
+                os.close(fd)
+        if len(raw) > limit:
+            raise ValueError(f"{rel} is over {limit} bytes, more than this store ever writes")
+        return raw
 
     def location(self, rel: str) -> str:
         """User-facing location of `rel` (a local path or a URL)."""
@@ -66,40 +113,70 @@ class Catalog:
                 found.append(name[len(CKPT_PREFIX) :])
         return sorted(found, key=lambda i: parse_id(i)[1])
 
-    def _read(self, rel: str) -> bytes | None:
+    def _read(self, rel: str, limit: int = MAX_JSON) -> bytes | None:
+        """read(), or None when the file is absent; LeavesStore and other ValueErrors pass through."""
         try:
-            return self.fs.cat_file(self.path(rel))
+            return self.read(rel, limit)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
 
     def _names(self, checkpoint_id: str) -> set[str]:
+        ckpt = CKPT_PREFIX + checkpoint_id
+        if self.leaves(ckpt):
+            return set()
         try:
-            return {
-                posixpath.basename(str(p))
-                for p in self.fs.ls(self.path(CKPT_PREFIX + checkpoint_id), detail=False)
-            }
+            return {posixpath.basename(str(p)) for p in self.fs.ls(self.path(ckpt), detail=False)}
         except (FileNotFoundError, NotADirectoryError):
             return set()
 
     def committed(self, checkpoint_id: str) -> bool:
-        """True when the checkpoint's commit marker is whole (the commit finished)."""
-        return marker_pin(self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}")) is not None
+        """True when the checkpoint's commit marker is whole (the commit finished).
+
+        A checkpoint whose directory or marker leads out of the store counts as committed, so that it is
+        listed and reported invalid (manifest() says why) instead of silently hidden or deleted.
+        """
+        try:
+            marker = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}", MAX_MARKER)
+        except LeavesStore:
+            return True
+        except ValueError:
+            return False
+        return marker_pin(marker) is not None
 
     def manifest(self, checkpoint_id: str) -> Manifest:
-        """The parsed manifest of a committed checkpoint; CheckpointCorrupt if it is unreadable or edited."""
-        raw = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MANIFEST}")
-        marker = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}")
+        """The parsed manifest of a committed checkpoint; CheckpointCorrupt if it is unreadable or edited,
+        or if it, or a file it lists, leads out of the store."""
+        ckpt = CKPT_PREFIX + checkpoint_id
+        if why := self.leaves(ckpt):
+            raise CheckpointCorrupt(checkpoint_id, str(LeavesStore(ckpt, why)))
+        try:
+            raw = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MANIFEST}")
+            marker = self._read(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}", MAX_MARKER)
+        except ValueError as exc:
+            raise CheckpointCorrupt(checkpoint_id, str(exc)) from None
         if marker is None:
             raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.url} (no commit marker)")
         reason = check_marker(marker, raw)
         if reason:
             raise CheckpointCorrupt(checkpoint_id, reason)
-        try:
-            manifest = Manifest.from_bytes(raw)  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise CheckpointCorrupt(checkpoint_id, str(exc)) from None
+        digest = xxhash.xxh3_128_hexdigest(raw)  # type: ignore[arg-type]
+        cached = self._parsed.get(checkpoint_id)
+        if cached is not None and cached[0] == digest:
+            manifest = cached[1]
+        else:
+            try:
+                manifest = Manifest.from_bytes(raw)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise CheckpointCorrupt(checkpoint_id, str(exc)) from None
+            if len(self._parsed) >= 256:  # a long-lived catalog of a store that retention turns over
+                self._parsed.clear()
+            self._parsed[checkpoint_id] = (digest, manifest)
         if manifest.id != checkpoint_id:
             raise CheckpointCorrupt(checkpoint_id, f"{MANIFEST} names checkpoint {manifest.id!r}")
+        if self.on_disk:  # names were checked by from_bytes; on a disk, symlinks can still lead out
+            for rel in [f.path for f in manifest.files] + sorted(manifest.blobs()):
+                if why := resolves_outside(self.root, self.path(rel)):
+                    raise CheckpointCorrupt(checkpoint_id, str(LeavesStore(rel, why)))
         return manifest
 
     def info(self, checkpoint_id: str) -> CheckpointInfo | None:
@@ -126,7 +203,11 @@ class Catalog:
         return found
 
     def verify(self, checkpoint_id: str, mode: str = "full") -> str | None:
-        """None when the checkpoint is valid, else the reason (commit marker, manifest, sizes, checksums)."""
+        """None when the checkpoint is valid, else the first reason found.
+
+        Every mode checks the commit marker, the manifest, and that nothing it names leads out of the store;
+        "fast" adds file sizes; "full" adds checksums and each blob's header against the manifest.
+        """
         if mode not in VERIFY_MODES:
             raise CheckpointError(f"verify mode: expected one of {', '.join(VERIFY_MODES)}, got {mode!r}")
         try:
@@ -144,7 +225,31 @@ class Catalog:
             reason = self._check_file(entry.path, entry.size, entry.xxh3 if mode == "full" else None)
             if reason:
                 return reason
+        return self._check_headers(manifest) if mode == "full" else None
+
+    def _check_headers(self, manifest: Manifest) -> str | None:
+        """The first tensor whose dtype, shape or byte count in the manifest disagrees with its blob's header."""
+        headers: dict[str, dict[str, HeaderEntry]] = {}
+        for ref in manifest.tensors.values():
+            if ref.blob not in headers:
+                try:
+                    headers[ref.blob] = self._header(ref.blob)
+                except (OSError, ValueError) as exc:
+                    return f"{ref.blob}: {exc}"
+            entry = headers[ref.blob].get(ref.key)
+            found = None if entry is None else (entry.dtype, entry.shape, entry.end - entry.start)
+            if reason := header_disagreement(ref, found):
+                return reason
         return None
+
+    def _header(self, rel: str) -> dict[str, HeaderEntry]:
+        """A blob's safetensors header entries, read (at most the format's limit) and validated."""
+        path = self.confined(rel)
+        size = self.fs.size(path)
+        with self.fs.open(path, "rb") as f:
+            head = f.read(8)
+            head += f.read(header_length(head, size))
+        return parse_header(head, size)[1]
 
     def _check_file(self, rel: str, size: int, digest: str | None) -> str | None:
         try:
@@ -193,6 +298,9 @@ class Catalog:
         return refs
 
     def blob_files(self) -> list[str]:
+        if why := self.leaves(BLOBS):  # gc must never list, let alone delete, another directory's files
+            log.warning("Not listing blobs of %s: %s", self.url, LeavesStore(BLOBS, why))
+            return []
         try:
             return sorted(
                 f"{BLOBS}/{posixpath.basename(str(p))}" for p in self.fs.ls(self.path(BLOBS), detail=False)
@@ -202,9 +310,13 @@ class Catalog:
 
     def delete(self, checkpoint_id: str) -> None:
         """Remove a checkpoint; its marker goes first so a half-finished delete never looks committed."""
+        ckpt = self.path(CKPT_PREFIX + checkpoint_id)
+        if self.on_disk and os.path.islink(ckpt):  # a planted link: remove it, never what it points to
+            os.unlink(ckpt)
+            return
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}"))
-        self.fs.rm(self.path(CKPT_PREFIX + checkpoint_id), recursive=True)
+        self.fs.rm(ckpt, recursive=True)
 
     def gc(self, policy: Policy | None) -> RetentionResult:
         """Delete what `policy` does not keep, then blobs no remaining checkpoint references."""
@@ -239,7 +351,21 @@ def info_from_manifest(m: Manifest, where: str, tiers: tuple[str, ...], abandone
         abandoned,
         m.nbytes,
         m.written_bytes,
+        tuple(m.nonfinite),
     )
+
+
+def header_disagreement(ref: TensorRef, found: tuple[str, tuple[int, ...], int] | None) -> str | None:
+    """Why a blob header's (dtype name, shape, byte count) for `ref` disagrees with the manifest; None if not."""
+    expected = (ref.dtype, ref.shape, ref.nbytes)
+    if found == expected:
+        return None
+    what = "is not in the blob" if found is None else f"is {_describe(*found)}"
+    return f"{ref.blob}: tensor {ref.key!r} {what}, the manifest records {_describe(*expected)}"
+
+
+def _describe(dtype: str, shape: tuple[int, ...], nbytes: int) -> str:
+    return f"{dtype}{list(shape)} ({nbytes} bytes)"
 
 
 def best_of(infos: list[CheckpointInfo], metric: str, mode: str = "min") -> CheckpointInfo | None:
@@ -255,12 +381,14 @@ def best_of(infos: list[CheckpointInfo], metric: str, mode: str = "min") -> Chec
 
 def open_store(directory_or_url: str | os.PathLike[str]) -> Catalog:
     """A read-only Catalog of a local directory or an fsspec URL (file://, s3://, ...)."""
-    target = os.fspath(directory_or_url)
+    target = url = os.fspath(directory_or_url)
     if "://" in target:
         fs, root = fsspec.core.url_to_fs(target)
-        return Catalog(fs, root, tier="remote", url=target)
+        if not isinstance(fs, LocalFileSystem):
+            return Catalog(fs, root, tier="remote", url=target)
+        target = root  # a file:// URL names a local directory: the same store, so the same writer lock
     from supervisor.checkpoint.local import lock_probe
 
-    catalog = Catalog(fsspec.filesystem("file"), os.path.abspath(target), tier="local")
+    catalog = Catalog(fsspec.filesystem("file"), os.path.abspath(target), tier="local", url=url)
     catalog.writer_lock = lock_probe(os.path.abspath(target))
     return catalog

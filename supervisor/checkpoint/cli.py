@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from supervisor.checkpoint.catalog import open_store
+from supervisor.checkpoint.catalog import Catalog, open_store
 from supervisor.checkpoint.retention import policy_from_settings
+from supervisor.errors import CheckpointError, UserError
 
 app = typer.Typer(help="Inspect and maintain checkpoint stores.", no_args_is_help=True, add_completion=False)
 
@@ -19,13 +24,43 @@ def _console() -> Console:
     return Console(width=160)
 
 
+def _existing_store(directory: str) -> Catalog:
+    """The store at `directory`; UserError (exit 2) when nothing is there, rather than an empty listing."""
+    try:
+        catalog = open_store(directory)
+    except (ValueError, ImportError) as exc:  # an unknown protocol, or its package is not installed
+        raise UserError(f"{directory}: not a directory or URL this machine can open ({exc})") from None
+    try:
+        if catalog.on_disk:
+            found = stat.S_ISDIR(os.stat(catalog.root).st_mode)
+        else:
+            found = catalog.fs.isdir(catalog.root)
+    except (FileNotFoundError, NotADirectoryError):
+        found = False
+    except OSError as exc:  # a name too long, a permission refused
+        raise UserError(f"no checkpoint store at {directory}: {exc.strerror or exc}") from None
+    if not found:
+        raise UserError(f"no checkpoint store at {directory}")
+    return catalog
+
+
+@contextlib.contextmanager
+def _reading(directory: str) -> Iterator[None]:
+    """An I/O failure while reading the store becomes one line (exit 1) instead of a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint store {directory}: {exc}") from None
+
+
 @app.command("list")
 def list_cmd(directory: str = typer.Argument(..., help="Store directory or fsspec URL.")) -> None:
     """Print every committed checkpoint as a table, oldest commit first."""
-    catalog = open_store(directory)
-    infos = catalog.list()
+    catalog = _existing_store(directory)
+    with _reading(directory):
+        infos = catalog.list()
     table = Table(title=f"{len(infos)} checkpoint(s) in {directory}")
-    for column in ("id", "step", "saved", "metrics", "parent", "size", "written", "state"):
+    for column in ("id", "step", "saved", "metrics", "parent", "size", "written", "state", "health"):
         table.add_column(column, overflow="fold")
     for i in infos:
         saved = (
@@ -41,6 +76,7 @@ def list_cmd(directory: str = typer.Argument(..., help="Store directory or fsspe
             _mb(i.nbytes),
             _mb(i.written_bytes),
             "abandoned" if i.abandoned else "live",
+            "ok" if i.healthy else f"UNHEALTHY ({len(i.nonfinite)} non-finite)",
         )
     _console().print(table)
 
@@ -48,18 +84,21 @@ def list_cmd(directory: str = typer.Argument(..., help="Store directory or fsspe
 @app.command("verify")
 def verify_cmd(
     directory: str = typer.Argument(..., help="Store directory or fsspec URL."),
-    mode: str = typer.Option("full", "--mode", help="full (checksums), fast (sizes) or none (markers)."),
+    mode: str = typer.Option(
+        "full", "--mode", help="full (checksums, headers), fast (sizes) or none (markers)."
+    ),
 ) -> None:
     """Verify every checkpoint; exit 0 when all are valid, 1 with a reason per invalid one."""
-    catalog = open_store(directory)
+    catalog = _existing_store(directory)
     bad = 0
-    for info in catalog.list():
-        reason = catalog.verify(info.id, mode)
-        if reason is None:
-            typer.echo(f"ok       {info.id}")
-        else:
-            bad += 1
-            typer.echo(f"INVALID  {info.id}: {reason}")
+    with _reading(directory):
+        for info in catalog.list():
+            reason = catalog.verify(info.id, mode)
+            if reason is None:
+                typer.echo(f"ok       {info.id}")
+            else:
+                bad += 1
+                typer.echo(f"INVALID  {info.id}: {reason}")
     if bad:
         typer.echo(f"{bad} invalid checkpoint(s)", err=True)
         raise typer.Exit(1)
@@ -75,9 +114,11 @@ def gc_cmd(
     """Delete what the policy's retention does not keep (never the newest), then unreferenced blobs."""
     from policies import load_policy
 
+    catalog = _existing_store(directory)
     section = load_policy(policy).checkpoint
     keep = policy_from_settings(section.keep_last, section.keep_best, section.keep_every_steps)
-    result = open_store(directory).gc(keep)
+    with _reading(directory):
+        result = catalog.gc(keep)
     for info, reason in result.delete:
         typer.echo(f"deleted  {info.id}: {reason}")
     typer.echo(f"kept {len(result.keep)}, deleted {len(result.delete)}")

@@ -1,6 +1,6 @@
 """Writer side of a local store: one writer at a time, atomic directory commits, cleanup after crashes.
 
-A commit: files are written and fsynced in `.tmp/<id>/`, the directory is fsynced, a new blob is renamed into
+A commit: files are written and fsynced in `.tmp/<id>/`, the directory is fsynced, new blobs are renamed into
 `blobs/`, the directory is renamed to `ckpt-<id>/`, and the COMMITTED marker is written last. A checkpoint
 without a whole marker never counts; open() deletes it, leftover temp dirs and blobs nothing references.
 """
@@ -20,6 +20,7 @@ import fsspec
 
 from supervisor.checkpoint.catalog import Catalog
 from supervisor.checkpoint.manifest import ABANDONED, BLOBS, CKPT_PREFIX, MANIFEST, MARKER, marker_bytes
+from supervisor.checkpoint.paths import resolves_outside
 from supervisor.errors import CheckpointError
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
@@ -84,6 +85,14 @@ def lock_probe(root: str):
     return hold
 
 
+def _remove(path: str) -> None:
+    """Delete a directory tree, or only the link when `path` is a symlink (never what it points to)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class LocalStore:
     """The one writer of a local store directory (an exclusive lock guards it until close())."""
 
@@ -91,6 +100,9 @@ class LocalStore:
         self.root = os.path.abspath(os.fspath(directory))
         for sub in ("", BLOBS, TMP):
             os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+        for sub in (BLOBS, TMP):  # the writer renames into them and deletes from them: they must be ours
+            if why := resolves_outside(self.root, self.path(sub)):
+                raise CheckpointError(f"{self.path(sub)} is {why}; replace it with a directory")
         self._lock_fd: int | None = _take_lock(self.root)
         self.catalog = Catalog(fsspec.filesystem("file"), self.root, tier="local")
         self.cleanup()
@@ -102,7 +114,7 @@ class LocalStore:
         """Remove temp dirs, uncommitted checkpoint dirs and unreferenced blobs; returns what went."""
         removed = []
         for name in sorted(os.listdir(self.path(TMP))):
-            shutil.rmtree(self.path(TMP, name), ignore_errors=True)
+            _remove(self.path(TMP, name))
             removed.append(f"{TMP}/{name}")
         for cid in self.catalog.ids():
             if not self.catalog.committed(cid):
@@ -119,20 +131,34 @@ class LocalStore:
         os.makedirs(staged)
         return staged
 
-    def commit(self, checkpoint_id: str, staged: str, manifest_raw: bytes, blob: str | None) -> str:
-        """Make `staged` checkpoint `checkpoint_id`, atomically; `blob` is its new blob file name, if any."""
-        write_file(os.path.join(staged, MANIFEST), manifest_raw)
-        fsync_dir(staged)
-        if blob is not None:
-            os.rename(os.path.join(staged, os.path.basename(blob)), self.path(blob))
-            fsync_dir(self.path(BLOBS))
+    def commit(self, checkpoint_id: str, staged: str, manifest_raw: bytes, blobs: list[str]) -> str:
+        """Make `staged` checkpoint `checkpoint_id`, atomically; `blobs` are its new blob file names."""
         final = self.path(CKPT_PREFIX + checkpoint_id)
-        if os.path.exists(final):
-            raise CheckpointError(f"{final} already exists; checkpoint ids must be unique")
-        os.rename(staged, final)
-        fsync_dir(self.root)
-        write_file(os.path.join(final, MARKER), marker_bytes(manifest_raw, checkpoint_id), exclusive=True)
-        fsync_dir(final)
+        # Undone if the commit fails (a full disk): left there, they would hold its space until open().
+        moved: list[str] = []
+        renamed = False
+        try:
+            write_file(os.path.join(staged, MANIFEST), manifest_raw)
+            fsync_dir(staged)
+            for blob in blobs:
+                os.rename(os.path.join(staged, os.path.basename(blob)), self.path(blob))
+                moved.append(blob)
+            if blobs:
+                fsync_dir(self.path(BLOBS))
+            if os.path.exists(final):
+                raise CheckpointError(f"{final} already exists; checkpoint ids must be unique")
+            os.rename(staged, final)
+            renamed = True
+            fsync_dir(self.root)
+            write_file(os.path.join(final, MARKER), marker_bytes(manifest_raw, checkpoint_id), exclusive=True)
+            fsync_dir(final)
+        except BaseException:
+            with contextlib.suppress(OSError):  # best effort on a failing disk; open() removes what stays
+                if renamed:
+                    self.delete(checkpoint_id)
+                for blob in moved:
+                    os.remove(self.path(blob))
+            raise
         return final
 
     def mark_abandoned(self, checkpoint_id: str, reason: str) -> None:
@@ -147,7 +173,7 @@ class LocalStore:
         dst = self.path(TMP, f"deleted-{checkpoint_id}.{uuid.uuid4().hex[:8]}")
         os.rename(src, dst)
         fsync_dir(self.root)
-        shutil.rmtree(dst, ignore_errors=True)
+        _remove(dst)
 
     def close(self) -> None:
         if self._lock_fd is not None:

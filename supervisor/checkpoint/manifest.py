@@ -7,8 +7,14 @@ import platform
 import subprocess
 from dataclasses import asdict, dataclass, field
 from functools import cache
+from typing import Any
 
 import xxhash
+
+from supervisor.checkpoint.boundedjson import loads_bounded, preview
+from supervisor.checkpoint.paths import LeavesStore, name_leaves
+from supervisor.checkpoint.safetensors_header import ITEMSIZE, shape_bytes
+from supervisor.checkpoint.typedjson import Schema
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -17,6 +23,10 @@ MARKER = "COMMITTED"
 ABANDONED = "ABANDONED"
 CKPT_PREFIX = "ckpt-"
 BLOBS = "blobs"
+#: A marker is one small flat object; anything longer is not one this store wrote.
+MAX_MARKER = 4096
+#: The manifest nests four deep ({"tensors": {name: {"shape": [...]}}}); the rest is room for new fields.
+_MAX_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -58,34 +68,51 @@ class Manifest:
     git_commit: str | None = None
     config_hash: str | None = None
     format_version: int = FORMAT_VERSION
+    nonfinite: list[str] = field(default_factory=list)
+    """Tensors that held a NaN or an infinity when the snapshot was taken: the checkpoint is unhealthy."""
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
-        """Parse manifest.json; ValueError says what is wrong."""
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"{MANIFEST} is not valid JSON ({exc})") from None
+        """Parse and validate manifest.json (types, names inside the store, sizes); ValueError says what is wrong."""
+        data = loads_bounded(raw, max_depth=_MAX_DEPTH, what=MANIFEST)
         if not isinstance(data, dict):
-            raise ValueError(f"{MANIFEST}: expected an object, found {type(data).__name__}")
+            raise ValueError(f"{MANIFEST}: expected an object, found {_kind(data)}")
         version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if type(version) is not int or version > FORMAT_VERSION:
             raise ValueError(f"{MANIFEST}: format_version {version!r} is not supported (<= {FORMAT_VERSION})")
-        try:
-            data["files"] = [FileEntry(**f) for f in data["files"]]
-            data["tensors"] = {
-                k: TensorRef(**{**v, "shape": tuple(v["shape"])}) for k, v in data["tensors"].items()
-            }
-            data["metrics"] = {str(k): float(v) for k, v in data["metrics"].items()}
-            return cls(**data)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{MANIFEST}: missing or malformed field ({exc})") from None
+        manifest = _SCHEMA.build(cls, data)
+        manifest.check_entries()
+        return manifest
+
+    def check_entries(self) -> None:
+        """ValueError when a file or blob name leaves the store or a tensor's byte count contradicts it."""
+        for rel in [f.path for f in self.files] + sorted(self.blobs()):
+            if why := name_leaves(rel):
+                raise ValueError(f"{MANIFEST}: {LeavesStore(rel, why)}")
+        for name, ref in self.tensors.items():
+            if ref.dtype not in ITEMSIZE:
+                raise ValueError(
+                    f"{MANIFEST}: tensors[{preview(name)}].dtype {preview(ref.dtype)} is not a safetensors dtype"
+                )
+            if (nbytes := shape_bytes(ref.dtype, ref.shape)) != ref.nbytes:
+                raise ValueError(
+                    f"{MANIFEST}: tensors[{preview(name)}]: shape {preview(list(ref.shape))} x {ref.dtype} is "
+                    f"{nbytes} bytes, the manifest records {ref.nbytes}"
+                )
 
     def blobs(self) -> set[str]:
         return {ref.blob for ref in self.tensors.values()}
+
+
+def _kind(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+_SCHEMA = Schema(MANIFEST, [FileEntry, TensorRef], counts=["seq", "size", "nbytes", "written_bytes", "shape"])
 
 
 def marker_bytes(manifest_raw: bytes, checkpoint_id: str) -> bytes:
@@ -95,10 +122,13 @@ def marker_bytes(manifest_raw: bytes, checkpoint_id: str) -> bytes:
 
 def marker_pin(marker_raw: bytes | None) -> str | None:
     """The manifest checksum a whole marker pins; None for a missing or torn marker."""
-    try:
-        pinned = json.loads(marker_raw)["manifest_xxh3"]  # type: ignore[arg-type]
-    except (ValueError, KeyError, TypeError):
+    if not isinstance(marker_raw, bytes) or len(marker_raw) > MAX_MARKER:
         return None
+    try:
+        found = loads_bounded(marker_raw, max_depth=1, what=MARKER)
+    except ValueError:
+        return None
+    pinned = found.get("manifest_xxh3") if isinstance(found, dict) else None
     return pinned if isinstance(pinned, str) else None
 
 

@@ -80,18 +80,24 @@ class RemoteTier:
             return None
 
     def download(self, store: LocalStore, checkpoint_id: str) -> None:
-        """Copy a remote checkpoint into the local store (replacing a bad local copy), marker last."""
+        """Copy a remote checkpoint into the local store (replacing a bad local copy), marker last.
+
+        LeavesStore (a ValueError) when a name it lists, or a symlink on a file:// remote, leads out of it.
+        """
         manifest = self.catalog.manifest(checkpoint_id)
         ckpt = f"{CKPT_PREFIX}{checkpoint_id}"
         staged = store.stage(checkpoint_id)
         try:
-            for rel in (f"{ckpt}/{STATE}", f"{ckpt}/{MANIFEST}", f"{ckpt}/{MARKER}"):
+            for rel in [
+                f"{ckpt}/{STATE}",
+                f"{ckpt}/{MANIFEST}",
+                f"{ckpt}/{MARKER}",
+                *sorted(manifest.blobs()),
+            ]:
                 self._call(
-                    self.fs.get_file, self.catalog.path(rel), os.path.join(staged, posixpath.basename(rel))
-                )
-            for rel in sorted(manifest.blobs()):
-                self._call(
-                    self.fs.get_file, self.catalog.path(rel), os.path.join(staged, posixpath.basename(rel))
+                    self.fs.get_file,
+                    self.catalog.confined(rel),
+                    os.path.join(staged, posixpath.basename(rel)),
                 )
             marker = open(os.path.join(staged, MARKER), "rb").read()
             os.remove(os.path.join(staged, MARKER))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -11,16 +10,22 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
-from supervisor.checkpoint.blobs import DTYPE_NAMES, BlobEntry, BlobReader, digest_start
-from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.blobs import DTYPES, BlobEntry, BlobReader, digest_start
+from supervisor.checkpoint.boundedjson import loads_bounded
+from supervisor.checkpoint.catalog import Catalog, header_disagreement
 from supervisor.checkpoint.fastcopy import THREADS, copy_tensors
 from supervisor.checkpoint.flatten import matches, tensor_paths, unflatten
 from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE, Manifest, TensorRef
 from supervisor.checkpoint.memory import Snapshot
+from supervisor.checkpoint.paths import LeavesStore
 from supervisor.errors import CheckpointCorrupt
 
 if TYPE_CHECKING:
     from supervisor.state import TrainingState
+
+
+#: state.json nests as deep as the registered state dicts do; far deeper is a planted file, not a state.
+_MAX_STATE_DEPTH = 200
 
 
 def _selected(skeleton: object, prefixes: Iterable[str] | None) -> list[tuple[str, str]]:
@@ -71,8 +76,12 @@ def restore_local(
     if verify != "none" and (reason := catalog.verify(cid, "fast")):
         raise CheckpointCorrupt(cid, reason)
     state_rel = f"{CKPT_PREFIX}{cid}/{STATE}"
-    with open(catalog.path(state_rel), "rb") as f:
-        state_raw = f.read()
+    try:
+        state_raw = catalog.read(state_rel)
+    except LeavesStore as exc:
+        raise CheckpointCorrupt(cid, str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(cid, f"{state_rel}: {exc}") from None
     files = {e.path: e for e in manifest.files}
     if (
         verify == "full"
@@ -81,9 +90,9 @@ def restore_local(
     ):
         raise CheckpointCorrupt(cid, f"{state_rel} checksum mismatch: expected xxh3 {files[state_rel].xxh3}")
     try:
-        skeleton = json.loads(state_raw)
+        skeleton = loads_bounded(state_raw, max_depth=_MAX_STATE_DEPTH, what=state_rel)
     except ValueError as exc:
-        raise CheckpointCorrupt(cid, f"{state_rel} is not valid JSON ({exc})") from None
+        raise CheckpointCorrupt(cid, str(exc)) from None
     readers: dict[str, BlobReader] = {}
     try:
         reads = _plan(cid, catalog, manifest, skeleton, prefixes, readers)
@@ -117,26 +126,27 @@ def _plan(
 ) -> list[_Read]:
     """What to read, after checking every needed tensor's dtype, shape and size against the manifest."""
     by_location: dict[tuple[str, str], _Read] = {}
-    for name, _ in _selected(skeleton, prefixes):
-        ref = manifest.tensors.get(name)
+    try:
+        selected = _selected(skeleton, prefixes)
+    except (TypeError, ValueError, AttributeError) as exc:  # a skeleton our writer cannot have made
+        raise CheckpointCorrupt(cid, f"{STATE} is malformed ({type(exc).__name__}: {exc})") from None
+    for name, _ in selected:
+        ref = manifest.tensors.get(name) if isinstance(name, str) else None
         if ref is None:
             raise CheckpointCorrupt(cid, f"{STATE} names tensor {name!r}, which the manifest does not list")
         if ref.blob not in readers:
             try:
-                readers[ref.blob] = BlobReader(catalog.path(ref.blob))
+                readers[ref.blob] = BlobReader(catalog.confined(ref.blob))
+            except LeavesStore as exc:
+                raise CheckpointCorrupt(cid, str(exc)) from None
             except (OSError, ValueError) as exc:
                 raise CheckpointCorrupt(cid, f"{ref.blob}: {exc}") from None
         read = by_location.get((ref.blob, ref.key))
         if read is None:
             entry = readers[ref.blob].entries.get(ref.key)
-            found = (
-                None if entry is None else (entry.end - entry.start, DTYPE_NAMES[entry.dtype], entry.shape)
-            )
-            if entry is None or found != (ref.nbytes, ref.dtype, ref.shape):
-                raise CheckpointCorrupt(
-                    cid,
-                    f"{ref.blob}: tensor {ref.key!r} is {found}, the manifest records {ref.dtype}{ref.shape}",
-                )
+            found = None if entry is None else (entry.dtype, entry.shape, entry.end - entry.start)
+            if reason := header_disagreement(ref, found):
+                raise CheckpointCorrupt(cid, reason)
             read = by_location[(ref.blob, ref.key)] = _Read(readers[ref.blob], entry, ref, [])
         read.names.append(name)
     return list(by_location.values())
@@ -147,11 +157,11 @@ def _target(entry: BlobEntry, dst: torch.Tensor | None) -> torch.Tensor:
     fits = (
         dst is not None
         and tuple(dst.shape) == entry.shape
-        and dst.dtype == entry.dtype
+        and dst.dtype == DTYPES[entry.dtype]
         and dst.device.type == "cpu"
         and dst.is_contiguous()
     )
-    return dst if fits else torch.empty(entry.shape, dtype=entry.dtype)  # type: ignore[return-value]
+    return dst if fits else torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -171,7 +181,7 @@ def _shares(reads: list[_Read]) -> list[list[_Read]]:
 
 def _read(r: _Read, check: bool) -> None:
     assert r.target is not None
-    digest = digest_start(r.entry.dtype, r.entry.shape) if check and r.ref.digest else None
+    digest = digest_start(DTYPES[r.entry.dtype], r.entry.shape) if check and r.ref.digest else None
     try:
         r.reader.read_into(r.entry, r.target, digest)
     except (OSError, ValueError) as exc:

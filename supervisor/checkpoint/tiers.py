@@ -120,5 +120,5 @@ class Tiers:
         assert self.remote is not None
         try:
             self.remote.download(self.store, checkpoint_id)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a name that leads out of the remote store
             raise CheckpointCorrupt(checkpoint_id, f"download from {self.remote.url} failed ({exc})") from exc
