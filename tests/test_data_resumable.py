@@ -278,3 +278,19 @@ def test_a_plain_stateful_dataloader_still_loads_a_state_saved_without_the_wrapp
     state, loader = _registered(make)
     state.load_state_dict({"data": copy.deepcopy(old.state_dict())})
     assert [b.tolist() for b in loader] == reference[2:6]
+
+
+def test_loop_refuses_an_unregistered_torch_data_loader(tmp_path):
+    """Iterating a DataLoader the session does not checkpoint would resume at the wrong batch (issue 14)."""
+    import pytest
+    import torch
+
+    from supervisor.errors import UserError
+    from supervisor.runtime import Session
+
+    data = torch.utils.data.TensorDataset(torch.arange(8.0))
+    sess = Session.attach(workdir=tmp_path)
+    model = torch.nn.Linear(1, 1)
+    sess.register(model=model)
+    with sess, pytest.raises(UserError, match="not registered.*ResumableLoader"):
+        next(iter(sess.loop(torch.utils.data.DataLoader(data, batch_size=2), max_steps=2)))

@@ -16,7 +16,7 @@ import torch
 
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, CheckpointManager
-from supervisor.errors import CheckpointNotFound
+from supervisor.errors import BackgroundSaveError, CheckpointNotFound, UserError
 from supervisor.events import Event
 from supervisor.monitor import DetectorSet, HeartbeatWriter, NoticeWatcher, Point, build_detectors
 from supervisor.runtime.cadence import Cadence, failures_in
@@ -30,7 +30,13 @@ from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.metrics import AsyncMetricLogger, MetricsSent
 from supervisor.runtime.plan import LaunchPlan, load_plan
 from supervisor.runtime.tracking_run import metric_connection
-from supervisor.runtime.wiring import apply_lr_scale, checkpoint_options, load_session_policy, to_records
+from supervisor.runtime.wiring import (
+    apply_lr_scale,
+    checkpoint_options,
+    load_session_policy,
+    part_kind,
+    to_records,
+)
 from supervisor.state import TrainingState
 
 log = logging.getLogger("rollback_supervisor.session")
@@ -94,6 +100,7 @@ class Session:
         self._old_handlers: dict[int, Any] = {}
         self._restored = False
         self._event_seq = 0
+        self.save_failures = 0
         workdir = Path(plan.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self._faults = FaultInjector.from_env(plan.faults_path, self.state.rank)
@@ -165,10 +172,10 @@ class Session:
                 obj.register_step_post_hook(
                     lambda opt, args, kwargs: self._faults.after_optimizer_step([opt])
                 )
-            elif hasattr(obj, "base_lrs"):
+            elif part_kind(obj) == "scheduler":
                 self._schedulers.append(obj)
-            elif hasattr(obj, "skip_batches") or type(obj).__name__ == "StatefulDataLoader":
-                self._loader = obj
+            elif part_kind(obj) == "loader":
+                self._loader = self.state[name]  # what is saved: a plain StatefulDataLoader's exact wrapper
                 self._rank_parts.append(name)
 
     # -- restore ------------------------------------------------------------------------------
@@ -264,6 +271,7 @@ class Session:
 
     def loop(self, loader: Iterable, *, max_steps: int) -> Iterator[tuple[int, Any]]:
         """Yield `(step, batch)` from the restored position until `max_steps`, handling epochs and rollbacks."""
+        _check_loop_loader(loader, self._loader)
         if not self._restored:
             self.restore()
         iterator = None
@@ -284,9 +292,9 @@ class Session:
             self._after_step(max_steps)
         if self._stopping():
             self._emergency_stop()
-        elif self.exit_code == exitcodes.EXIT_OK:
-            self._save(self.step, force=True)
-            self.manager.wait()
+        elif self.exit_code == exitcodes.EXIT_OK and not (self._save(self.step, force=True) and self._wait()):
+            log.error("the final checkpoint at step %d was not written; the supervisor decides", self.step)
+            self.exit_code = exitcodes.EXIT_FAILED
 
     def log(self, **metrics: float) -> None:
         """Log metrics at the current step (asynchronously) and feed them to the in-process detectors."""
@@ -352,7 +360,8 @@ class Session:
             self._agreed_stop = True
         return bool(due_any) and not writing and not self._agreed_stop
 
-    def _save(self, step: int, *, force: bool = False) -> None:
+    def _save(self, step: int, *, force: bool = False) -> bool:
+        """Checkpoint `step`; False if it failed (reported: a full or broken disk does not stop training)."""
         t0 = time.monotonic()  # the cadence's save cost: all the time training is blocked here
         self._heartbeat.beat(step, "checkpoint")
         metrics = {k: float(v) for k, v in self._step_metrics.items()}
@@ -361,21 +370,57 @@ class Session:
         sent = MetricsSent(self._metrics, step)
         if self.dist is not None:  # every rank takes part; rank 0 stores each rank's share under ranks.<r>
             self.state.rank_states = self.dist.gather_state(self.state.rank_state_dict(self._rank_parts))
+        ok = True
         try:
-            self.manager.save(step, metrics=metrics, force=force, before_commit=sent.wait)
+            self._despite_save_failures(
+                self.manager.save, step, metrics=metrics, force=force, before_commit=sent.wait
+            )
+        except OSError as exc:  # a synchronous save's own write (an async one fails on the writer thread)
+            self._save_failed(exc)
+            ok = False
         finally:
             self.state.rank_states = None
         sent.ask()  # the state is copied: send the metrics now, beside training rather than beside the copy
         self._cadence.observe_save(time.monotonic() - t0)
         self._cadence.saved(step, time.monotonic())
         self._heartbeat.beat(step, "train")
+        return ok
+
+    def _wait(self) -> bool:
+        """Wait for pending saves and uploads; False if one failed (each failure is reported)."""
+        before = self.save_failures
+        self._despite_save_failures(self.manager.wait)
+        return self.save_failures == before
+
+    def _despite_save_failures(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call the manager; an earlier background save that failed is reported (not raised), then retried."""
+        while True:
+            try:
+                return call(*args, **kwargs)
+            except BackgroundSaveError as exc:  # the manager raises each one once
+                self._save_failed(exc)
+
+    def _save_failed(self, exc: BaseException) -> None:
+        """Report a checkpoint not written (none of it committed) to the log, MLflow and events.jsonl."""
+        self.save_failures += 1
+        cause = exc.__cause__ or exc
+        log.error("checkpoint not saved at step %d, training goes on: %s", self.step, exc)
+        self._metrics.log({"checkpoint.save_failures": self.save_failures}, self.step)
+        evidence = {"error": type(cause).__name__, "errno": getattr(cause, "errno", None)}
+        event = Event("storage_error", f"checkpoint not saved: {exc}", step=self.step, source="in_process",
+                      wall_time=time.time(), evidence=evidence)  # fmt: skip
+        try:  # the workdir may sit on the failing disk: the log line above is then the report
+            self._append_event({"kind": "save_failed", "handled_in_process": True, "event": event.to_dict()})
+        except OSError as err:
+            log.error("could not report the failed save to %s: %s", self.plan.events_path, err)
 
     # -- anomalies ----------------------------------------------------------------------------
 
     def _handle_anomaly(self, event: Event) -> None:
         from policies import decide
 
-        known = self.manager.candidates()  # writes in flight included: never waited for (ARCHITECTURE.md)
+        # Writes in flight included: never waited for (ARCHITECTURE.md).
+        known = self._despite_save_failures(self.manager.candidates)
         decision = decide(self.policy, event, self.history, to_records(known), now=time.time())
         log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
         if decision.action == "rollback" and decision.target_id is not None:
@@ -384,7 +429,7 @@ class Session:
             self.manager.protect([target.id])  # retention on the writer thread must not delete it meanwhile
             try:
                 info, in_ring = self._restore_target(target)
-                self.manager.abandon_after(info, wait=False)
+                self._despite_save_failures(self.manager.abandon_after, info, wait=False)
             finally:
                 self.manager.unprotect([target.id])
             self.step = self.state.step
@@ -408,24 +453,30 @@ class Session:
         """From the memory ring without waiting for writes; from disk if the ring no longer holds it."""
         if "memory" in target.tiers:
             try:
-                return self.manager.restore_memory(target, wait=False), True
+                return self._despite_save_failures(self.manager.restore_memory, target, wait=False), True
             except CheckpointNotFound:  # committed and dropped from the ring since it was listed
                 pass
-        return self.manager.restore(target), False
+        return self._despite_save_failures(self.manager.restore, target), False
 
     def _report(self, event: Event, decision: Any, *, handled: bool, **extra: Any) -> None:
         """Append the event (and the decision taken in process, if any) to events.jsonl for the supervisor."""
+        record = {
+            "handled_in_process": handled,
+            "event": event.to_dict(),
+            "decision": decision.to_dict() if decision is not None else None,
+            **extra,
+        }
+        self._append_event(record)
+
+    def _append_event(self, fields: dict[str, Any]) -> None:
         self._event_seq += 1
         record = {
             "seq": self._event_seq,
             "pid": os.getpid(),
             "segment": self.plan.segment,
             "time": time.time(),
-            "handled_in_process": handled,
-            "event": event.to_dict(),
-            "decision": decision.to_dict() if decision is not None else None,
-            **extra,
         }
+        record |= fields
         with open(self.plan.events_path, "a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
             fh.flush()
@@ -449,14 +500,15 @@ class Session:
             log.warning("stopping at step %d (%s), no checkpoint", self.step, self._stop_reason)
             return
         t0 = time.monotonic()
-        self._save(self.step)  # a no-op when this step was just checkpointed
-        self.manager.wait()
-        log.warning(
-            "preempted (%s): emergency checkpoint at step %d in %.2fs",
-            self._stop_reason,
-            self.step,
-            time.monotonic() - t0,
-        )
+        if self._save(self.step) and self._wait():  # the save is a no-op when this step was just checkpointed
+            log.warning(
+                "preempted (%s): emergency checkpoint at step %d in %.2fs",
+                self._stop_reason,
+                self.step,
+                time.monotonic() - t0,
+            )
+        else:  # reported; the supervisor resumes from the newest valid checkpoint, as after a kill
+            log.error("preempted (%s): emergency checkpoint at step %d failed", self._stop_reason, self.step)
         self.exit_code = exitcodes.EXIT_PREEMPTED
 
     def __enter__(self) -> Session:
@@ -477,7 +529,7 @@ class Session:
         if self._notices is not None:
             self._notices.stop()
         try:
-            self.manager.close()
+            self._despite_save_failures(self.manager.close)
         finally:
             self._metrics.close()
             if not self.plan.supervised:
@@ -498,3 +550,17 @@ class Session:
 def _batch_len(batch: Any) -> int:
     first = batch[0] if isinstance(batch, list | tuple) and batch else batch
     return int(first.shape[0]) if hasattr(first, "shape") and first.dim() > 0 else 1
+
+
+def _check_loop_loader(loader: Any, registered: Any) -> None:
+    """A torch DataLoader the session cannot checkpoint would resume at the wrong batch: refuse it up front."""
+    import torch.utils.data
+
+    if loader is registered or loader is getattr(registered, "loader", None):
+        return
+    if isinstance(loader, torch.utils.data.DataLoader):
+        raise UserError(
+            f"Session.loop(): the {type(loader).__name__} it iterates is not registered, so a resume would not "
+            "know its position; build it with supervisor.data.ResumableLoader and register it "
+            "(sess.register(..., data=loader))"
+        )
