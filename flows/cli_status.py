@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from supervisor.errors import UserError
+from supervisor.layout import LineageLayout, is_url
 from supervisor.report.timeline import (
     SEGMENT_COLUMNS,
     clock_text,
@@ -25,6 +30,13 @@ from supervisor.report.timeline import (
 )
 
 STATUS_STYLES = {"finished": "green", "stopped": "green", "running": "cyan", "failed": "bold red"}
+#: A lineage record is a few KB; anything far larger is damage, not a record.
+MAX_RECORD_BYTES = 64 << 20
+#: The policy's checkpoint.storage when the record does not say (the schema's default).
+DEFAULT_STORAGE = "./checkpoints"
+#: How much of a metric spool's end is read to find the last step it logged.
+SPOOL_TAIL_BYTES = 64 << 10
+_RELAUNCH_IN = re.compile(r"relaunch in \d+(?:\.\d+)? s")
 
 
 class StatusError(UserError):
@@ -40,7 +52,7 @@ def command(
     """Show each lineage's segments, events, decisions and checkpoints."""
     if ctx.args:
         raise StatusError(f"status: unexpected argument(s) {' '.join(ctx.args)}; see `status --help`")
-    found = [(r, lineage_status(d, r)) for d, r in load_lineages(workdir, lineage)]
+    found = [_status(d, r, workdir) for d, r in load_lineages(workdir, lineage)]
     if json_out:
         doc = {"lineages": [view for _, view in found]}
         typer.echo(json.dumps(jsonable(doc), indent=2, allow_nan=False))
@@ -50,8 +62,8 @@ def command(
         console = Console(width=160)
     if not found:
         console.print(f"no lineages under {workdir / 'lineages'}")
-    for record, view in found:
-        _print_lineage(console, record, view)
+    for shown, view in found:
+        _print_lineage(console, shown, view)
 
 
 def load_lineages(workdir: Path, only: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
@@ -74,38 +86,279 @@ def load_lineages(workdir: Path, only: str | None = None) -> list[tuple[Path, di
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """A lineage record; StatusError (exit 2, one line) for anything that is not one."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StatusError(f"{path}: cannot read the lineage record: {exc}") from exc
-    if not isinstance(record, dict):
-        raise StatusError(f"{path}: expected a JSON object, got {type(record).__name__}")
+        raw = _read_bounded(path)
+    except OSError as exc:
+        raise StatusError(f"lineage record {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StatusError(
+            f"lineage record {path} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]}); restore it "
+            "from a backup or remove its lineage directory"
+        ) from None
+    problem = _shape_problem(record)
+    if problem:
+        raise StatusError(f"lineage record {path} is not a lineage record: {problem}")
     return record
 
 
-def lineage_status(directory: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """The JSON view of one lineage: record summary, counts, raw segments, timeline and checkpoints."""
+def _read_bounded(path: Path) -> bytes:
+    # O_NONBLOCK: a FIFO planted as lineage.json must not hang `status`; it changes nothing for a regular file.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StatusError(f"lineage record {path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            raw = fh.read(MAX_RECORD_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_RECORD_BYTES:
+        raise StatusError(f"lineage record {path} is over {MAX_RECORD_BYTES >> 20} MiB; it is damaged")
+    return raw
+
+
+_OBJECT_OR_NULL = (dict, type(None))
+_NUMBER_OR_NULL = (int, float, type(None))
+#: The keys status reads from each segment, and the JSON types it can show.
+_SEGMENT_KEYS: dict[str, tuple[type, ...]] = {
+    "index": (int,),
+    "pid": (int, type(None)),
+    "started": _NUMBER_OR_NULL,
+    "ended": _NUMBER_OR_NULL,
+    "returncode": (int, type(None)),
+    "signal_sent": (str, int, type(None)),
+    "start_step": (int, type(None)),
+    "last_step": (int, type(None)),
+    "outcome": (str, type(None)),
+    "restore": _OBJECT_OR_NULL,
+    "event": _OBJECT_OR_NULL,
+    "decision": _OBJECT_OR_NULL,
+    "in_process": (list, type(None)),
+}
+
+
+def _shape_problem(record: Any) -> str | None:
+    """What makes `record` unusable by status, or None: the types of the keys it reads."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, found {_json_type(record)}"
+    for key, kinds in (
+        ("lineage", (str, type(None))),
+        ("status", (str, type(None))),
+        ("final_reason", (str, type(None))),
+        ("final_checkpoint", (str, type(None))),
+        ("segments", (list, type(None))),
+        ("storage", _OBJECT_OR_NULL),
+    ):
+        if key in record and not isinstance(record[key], kinds):
+            return f"key {key!r}: found {_json_type(record[key])}"
+    for i, seg in enumerate(record.get("segments") or []):
+        if not isinstance(seg, dict):
+            return f"segments[{i}]: expected an object, found {_json_type(seg)}"
+        for key, kinds in _SEGMENT_KEYS.items():
+            if key in seg and (not isinstance(seg[key], kinds) or isinstance(seg[key], bool)):
+                return f"segments[{i}].{key}: found {_json_type(seg[key])}"
+        for j, entry in enumerate(seg.get("in_process") or []):
+            if not isinstance(entry, dict) or not all(
+                isinstance(entry.get(k), _OBJECT_OR_NULL) for k in ("event", "decision")
+            ):
+                return f"segments[{i}].in_process[{j}]: expected an object with event and decision objects"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
+def lineage_status(directory: Path, record: dict[str, Any], workdir: Path | None = None) -> dict[str, Any]:
+    """The JSON view of one lineage: record summary, counts, segments, timeline and checkpoints.
+
+    Segment steps come from the record and the checkpoints (`segment_steps`); `heartbeat_step` keeps the
+    heartbeat's last step, which lags the training by up to a beat interval.
+    """
+    return _status(directory, record, workdir if workdir is not None else directory.parent.parent)[1]
+
+
+def _status(directory: Path, record: dict[str, Any], workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the record as shown, the JSON view), or StatusError naming the record."""
+    try:
+        return _view(directory, record, workdir)
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:  # a shape _shape_problem did not foresee
+        where = directory / "lineage.json"
+        raise StatusError(
+            f"lineage record {where} is not a lineage record: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _view(directory: Path, record: dict[str, Any], workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    store = checkpoint_store(workdir, directory, record)
+    infos, store_problem = _list(store)
+    display = _for_display(record, infos, directory)
     c = counts(record)
-    return {
+    return display, {
         "lineage": record.get("lineage") or directory.name,
         "status": record.get("status"),
         "final_reason": record.get("final_reason"),
         "final_checkpoint": record.get("final_checkpoint"),
         "rollbacks": c["rollbacks"],
         "restarts": c["restarts"],
-        "segments": record.get("segments") or [],
-        "timeline": timeline_rows(record),
-        "checkpoints": [dataclasses.asdict(i) for i in checkpoints(directory / "checkpoints")],
+        "segments": display.get("segments") or [],
+        "timeline": timeline_rows(display),
+        "checkpoint_store": str(store) if store else None,
+        "checkpoint_store_problem": store_problem,
+        "checkpoints": [dataclasses.asdict(i) for i in infos],
     }
 
 
-def checkpoints(directory: Path) -> list[Any]:
-    """CheckpointInfo of every committed checkpoint in the lineage's store; none when it has no store yet."""
-    if not directory.is_dir():
-        return []
+def checkpoint_store(workdir: Path, directory: Path, record: dict[str, Any]) -> Path | None:
+    """The lineage's local checkpoint store, wherever its policy put it; None when it has none yet.
+
+    The record's `storage` holds what LineageLayout resolved for the run. For a workdir that moved since, the
+    same storage is resolved again against this workdir; a record without `storage` gets the default storage.
+    """
+    storage = record.get("storage") or {}
+    recorded, durable = storage.get("checkpoints"), storage.get("durable")
+    candidates, policy_storage = [], DEFAULT_STORAGE
+    if isinstance(recorded, str) and recorded:
+        candidates.append(Path(recorded))
+        policy_storage = str(Path(recorded).parent)
+        if isinstance(durable, str) and not is_url(durable):  # local: durable is <old workdir>/lineages/<L>
+            try:
+                policy_storage = str(Path(recorded).parent.relative_to(Path(durable).parent.parent))
+            except ValueError:  # storage outside the workdir: an absolute path, the same after a move
+                pass
+    try:
+        candidates.append(LineageLayout.resolve(workdir, policy_storage, directory.name).checkpoints)
+    except UserError:  # a directory name that is no lineage name: only the record can say
+        pass
+    candidates.append(directory / "checkpoints")  # a URL storage's local tier
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def checkpoints(directory: Path | None) -> list[Any]:
+    """CheckpointInfo of every committed checkpoint in a store; none when there is no store yet."""
+    return _list(directory)[0]
+
+
+def _list(directory: Path | None) -> tuple[list[Any], str | None]:
+    if directory is None or not directory.is_dir():
+        return [], None
     from supervisor.checkpoint import open_store
 
-    return open_store(directory).list()
+    try:
+        return open_store(directory).list(), None
+    except Exception as exc:  # any failure of the store's reader: a damaged store must not hide the record
+        return [], f"checkpoint store {directory} cannot be listed: {exc}"
+
+
+def _for_display(record: dict[str, Any], infos: list[Any], directory: Path) -> dict[str, Any]:
+    """A copy of the record with each segment's steps from the record and checkpoints, and in-process reasons."""
+    shown = copy.deepcopy(record)
+    for seg in shown.get("segments") or []:
+        start, end = segment_steps(seg, infos, _spool_tail(directory / "metrics", seg.get("index")))
+        seg["heartbeat_step"] = seg.get("last_step")
+        seg["start_step"], seg["last_step"] = start, end
+        for entry in seg.get("in_process") or []:
+            decision = entry.get("decision")
+            if isinstance(decision, dict) and isinstance(decision.get("reason"), str):
+                decision["reason"] = in_process_reason(decision["reason"])
+    return shown
+
+
+def in_process_reason(reason: str) -> str:
+    """An in-process decision's reason: the engine writes "relaunch in X s", but nothing is relaunched."""
+    said = _RELAUNCH_IN.sub("continued in process, no relaunch", reason)
+    return said if said != reason else f"{reason}; handled in process"
+
+
+def segment_steps(
+    seg: dict[str, Any], infos: list[Any], spool_last: tuple[float, int] | None = None
+) -> tuple[int | None, int | None]:
+    """(the step a segment started from, the last step it reached), from the record, checkpoints and spool.
+
+    Start: the step of the checkpoint it restored (0 from scratch). End: the furthest step known after its last
+    in-process rollback: checkpoints it saved, the event that ended it, the last metric point it logged, and
+    the heartbeat (a lower bound: it lags by up to a beat). `seg` is the record's, whose `start_step` and
+    `last_step` are the heartbeat's steps at launch and exit.
+    """
+    started, ended = seg.get("started") or 0.0, seg.get("ended")
+    restore = seg.get("restore") or {}
+    start: int | None = None
+    if restore.get("from_scratch"):
+        start = 0
+    elif restore.get("checkpoint_id"):
+        start = _step_of(restore["checkpoint_id"], infos)
+    else:  # "the newest valid": the newest checkpoint committed before the segment started
+        before = [i for i in infos if i.wall_time <= started]
+        live = [i for i in before if not i.abandoned] or before
+        start = max(live, key=lambda i: i.seq).step if live else (0 if seg.get("index", 0) == 0 else None)
+    evidence: list[tuple[float, int]] = []  # (time, step)
+    floor, since, went_back_from = start, started, None
+    for entry in sorted(seg.get("in_process") or [], key=lambda e: _num(e.get("time"))):
+        decision, event = entry.get("decision") or {}, entry.get("event") or {}
+        if decision.get("action") == "rollback" and isinstance(decision.get("target_step"), int):
+            floor, since = decision["target_step"], _num(entry.get("time"))  # training went back here
+            went_back_from = event.get("step") if isinstance(event.get("step"), int) else None
+            evidence = []
+        elif isinstance(event.get("step"), int):
+            evidence.append((_num(entry.get("time")), event["step"]))
+    upto = ended if isinstance(ended, int | float) else float("inf")
+    evidence += [(i.wall_time, i.step) for i in infos if since <= i.wall_time <= upto]
+    event = seg.get("event") or {}
+    if isinstance(event.get("step"), int):
+        evidence.append((_num(event.get("wall_time")) or since, event["step"]))
+    if spool_last is not None and spool_last[0] >= since:
+        evidence.append(spool_last)
+    steps = [step for t, step in evidence if t >= since] + ([floor] if floor is not None else [])
+    # The heartbeat lags by up to a beat, and its file is the lineage's: a step equal to the one read at launch
+    # may be the previous segment's. After an in-process rollback only a beat past the anomaly's step is surely
+    # from the branch training went on with.
+    beat = seg.get("last_step")
+    fresh = isinstance(beat, int) and beat != seg.get("start_step")
+    after = since == started or (went_back_from is not None and fresh and beat > went_back_from)
+    if fresh and (after or not steps):
+        steps.append(beat)
+    return start, max(steps, default=None)
+
+
+def _step_of(checkpoint_id: str, infos: list[Any]) -> int | None:
+    found = next((i.step for i in infos if i.id == checkpoint_id), None)
+    if found is not None:
+        return found
+    from supervisor.checkpoint.options import parse_id
+
+    try:
+        return parse_id(checkpoint_id)[0]  # the id names its step, even after retention deleted it
+    except ValueError:
+        return None
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _spool_tail(spool_dir: Path, index: Any) -> tuple[float, int] | None:
+    """(time, step) of the last metric point a segment logged to its spool; None if unknown."""
+    if not isinstance(index, int):
+        return None
+    path = spool_dir / f"{index}.jsonl"
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - SPOOL_TAIL_BYTES))
+            lines = fh.read().split(b"\n")
+    except OSError:
+        return None
+    for line in reversed(lines[:-1]):  # the part after the last newline may be a line cut by a kill
+        try:
+            _, _, timestamp_ms, step = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if isinstance(step, int) and isinstance(timestamp_ms, int | float):
+            return timestamp_ms / 1000.0, step
+    return None
 
 
 def _print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any]) -> None:
@@ -127,6 +380,8 @@ def _print_lineage(console: Console, record: dict[str, Any], entry: dict[str, An
 
 
 def _checkpoint_table(entry: dict[str, Any]) -> Table | str:
+    if entry["checkpoint_store_problem"]:
+        return entry["checkpoint_store_problem"]
     if not entry["checkpoints"]:
         return "no checkpoints"
     roles: dict[str, list[str]] = {}

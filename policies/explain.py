@@ -159,21 +159,38 @@ def _limits(policy: Policy) -> list[str]:
         wait += f", {b.multiplier:g}x longer each time up to {b.max_seconds:g} s"
     wait += ", jittered to 50-100%" if b.jitter else ""
     lines.append(f"{wait}; relaunches older than {b.reset_after_seconds:g} s no longer lengthen it.")
-    e = lim.escalation
-    if e is None:
-        lines.append("  Rollback loops are not detected.")
-    elif e.max_escalations == 0:
-        lines.append(
-            f"  Rollback loops: the same anomaly recurring within {e.same_step_window} steps of an earlier "
-            "rollback's onset fails the run."
-        )
-    else:
-        lines.append(
-            f"  Rollback loops: when the same anomaly recurs within {e.same_step_window} steps of an earlier "
-            f"rollback's onset, the lookback grows {e.lookback_multiplier:g}x per recurrence for up to "
-            f"{_times(e.max_escalations)}; the next recurrence fails the run."
-        )
+    lines.append(_loops(policy))
     return lines
+
+
+def _loops(policy: Policy) -> str:
+    """Rollback-loop handling, saying only what holds for the rollback rules' selectors."""
+    e = policy.limits.escalation
+    if e is None:
+        return "  Rollback loops are not detected."
+    rollbacks = [(i, r) for i, r in enumerate(policy.rules) if r.action == "rollback"]
+    if not rollbacks:
+        return "  Rollback loops: no rule rolls back, so there is no loop to detect."
+    head = f"  Rollback loops: when the same anomaly recurs within {e.same_step_window} steps of an earlier rollback's onset"
+    if e.max_escalations == 0:
+        return f"{head}, the run fails."
+    # Only a target with a lookback can be widened (engine._escalate); the others roll back the same way again.
+    widened = [i for i, r in rollbacks if isinstance(r.target, BeforeTarget | BestBeforeTarget)]
+    same = [(i, r) for i, r in rollbacks if i not in widened]
+    tail = f"for up to {_times(e.max_escalations)}; the next recurrence fails the run."
+    if not same:
+        return f"{head}, the lookback grows {e.lookback_multiplier:g}x per recurrence {tail}"
+    fixed = _join([f"rules[{i}] ({_select(r)}, which has no lookback to widen)" for i, r in same])
+    again = f"{fixed} {'rolls' if len(same) == 1 else 'roll'} back the same way again"
+    if not widened:
+        return f"{head}, {again}, {tail}"
+    grows = f"the lookback of {_join([f'rules[{i}]' for i in widened])} grows {e.lookback_multiplier:g}x per recurrence"
+    return f"{head}, {grows} and {again}, {tail}"
+
+
+def _select(rule: Rule) -> str:
+    t = rule.target
+    return f"select: {t.select}" if t is not None else "select: latest"
 
 
 def _times(n: int) -> str:

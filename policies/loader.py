@@ -10,108 +10,175 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from policies.base import PROBLEM, show
+from policies.base import PROBLEM
 from policies.describe import describe, model_keys, union_members
 from policies.monitor_schema import DETECTOR_TYPES
 from policies.schema import Policy
 from policies.targets import BUILTIN_SELECTORS, TARGET_SELECT_ERROR
+from policies.yaml_guard import (
+    FastSafeLoader,
+    SafeLoader,
+    brief,
+    check_bounds,
+    check_size,
+    read_policy_text,
+)
 from supervisor.errors import PolicyError
 
 _SELECT_EXPECTED = "one of " + ", ".join(BUILTIN_SELECTORS) + ' or "module:function"'
 _TYPE_EXPECTED = "one of " + ", ".join(DETECTOR_TYPES)
 _MISSING = "nothing (required key missing)"
+_MERGE = "tag:yaml.org,2002:merge"
+#: Problems listed per file; the rest are counted. Past the first few, more lines only bury the cause.
+MAX_PROBLEMS = 20
+
+Problem = tuple[int, int, str]
+#: Per mapping node (by id): its scalar keys -> (key node, value node), the last one winning as in construction.
+_Index = dict[int, dict[str, tuple[yaml.Node, yaml.Node]]]
 
 
 def load_policy(path: str | os.PathLike[str]) -> Policy:
     """Read and validate a policy file; raise PolicyError listing every problem."""
     name = os.fspath(path)
-    try:
-        with open(name, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise PolicyError([f"{name}: expected a readable policy file, got {exc.strerror or exc}"]) from None
-    except UnicodeDecodeError as exc:
-        raise PolicyError(
-            [f"{name}: expected UTF-8 text, got undecodable bytes at offset {exc.start}"]
-        ) from None
-    return parse_policy(text, name)
+    return parse_policy(read_policy_text(name), name)
 
 
 def parse_policy(text: str, filename: str = "<string>") -> Policy:
     """Validate policy YAML text; `filename` only labels the messages."""
-    root, data = _compose(text, filename)
-    problems = _duplicate_keys(root, filename)
+    check_size(text, filename)
+    root, data, duplicates, total = _read_yaml(text, filename)
+    problems = list(duplicates)
     if root is None:
         problems.append((0, 0, f"{filename}:1:1: (document): expected a policy mapping, got an empty file"))
+        total += 1
     else:
         try:
             policy = Policy.model_validate(data)
         except ValidationError as exc:
-            problems += [_locate(err, root, filename, text) for err in exc.errors()]
+            errors = exc.errors(include_url=False)
+            total += len(errors)
+            index: _Index = {}
+            problems += [_locate(err, root, filename, text, index) for err in errors[:MAX_PROBLEMS]]
     if problems:
-        raise PolicyError([line for _, _, line in sorted(set(problems), key=lambda p: (p[0], p[1]))])
+        raise PolicyError(_listing(problems, total, filename))
     return policy
 
 
-def _compose(text: str, filename: str) -> tuple[yaml.Node | None, Any]:
-    loader = yaml.SafeLoader(text)
+def _listing(problems: list[Problem], total: int, filename: str) -> list[str]:
+    """The first MAX_PROBLEMS problems in file order, and how many more there were."""
+    unique = sorted(set(problems), key=lambda p: (p[0], p[1]))
+    lines = [line for _, _, line in unique[:MAX_PROBLEMS]]
+    hidden = total - len(problems) + max(0, len(unique) - MAX_PROBLEMS)
+    if hidden > 0:
+        lines.append(f"{filename}: {hidden} more problem(s) not shown; fix the ones above first")
+    return lines
+
+
+def _read_yaml(text: str, filename: str) -> tuple[yaml.Node | None, Any, list[Problem], int]:
+    """(root node, data, duplicate-key problems (the first MAX_PROBLEMS), how many there were)."""
+    if check_bounds(text, filename):
+        try:
+            return _compose(FastSafeLoader, text, filename)
+        except yaml.constructor.ConstructorError as exc:  # the same Python constructor runs in both loaders
+            raise _yaml_problem(exc, filename) from None
+        except yaml.YAMLError:
+            pass  # libyaml words syntax errors its own way: let the pure-Python parser say it
+    # The parsers may disagree on an edge case: bound what the pure-Python composer will recurse into too.
+    check_bounds(text, filename, yaml.SafeLoader)
+    try:
+        return _compose(SafeLoader, text, filename)
+    except yaml.YAMLError as exc:
+        raise _yaml_problem(exc, filename) from None
+
+
+def _compose(
+    loader_class: type[yaml.SafeLoader], text: str, filename: str
+) -> tuple[yaml.Node | None, Any, list[Problem], int]:
+    loader = loader_class(text)
     try:
         node = loader.get_single_node()
+        # Before construction: a merge (`<<: *base`) rewrites its mapping node to hold the merged keys.
+        duplicates, count = _duplicate_keys(node, filename)
         data = loader.construct_document(node) if node is not None else None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{filename}:{mark.line + 1}:{mark.column + 1}" if mark else f"{filename}:1:1"
-        context = ""
-        if exc.context:
-            context = f" ({exc.context}"
-            if exc.context_mark and exc.context_mark is not mark:
-                context += f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
-            context += ")"
-        raise PolicyError([f"{where}: (syntax): expected valid YAML, got {exc.problem}{context}"]) from None
-    except yaml.YAMLError as exc:
-        raise PolicyError([f"{filename}:1:1: (syntax): expected valid YAML, got {exc}"]) from None
     finally:
         loader.dispose()
-    return node, data
+    return node, data, duplicates, count
 
 
-def _at(filename: str, node: yaml.Node, path: str, message: str) -> tuple[int, int, str]:
+def _yaml_problem(exc: yaml.YAMLError, filename: str) -> PolicyError:
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return PolicyError([f"{filename}:1:1: (syntax): expected valid YAML, got {_cut(exc, 200)}"])
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{filename}:{mark.line + 1}:{mark.column + 1}" if mark else f"{filename}:1:1"
+    context = ""
+    if exc.context:
+        context = f" ({exc.context}"
+        if exc.context_mark and exc.context_mark is not mark:
+            context += f" at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}"
+        context += ")"
+    return PolicyError([f"{where}: (syntax): expected valid YAML, got {exc.problem}{context}"])
+
+
+def _at(filename: str, node: yaml.Node, path: str, message: str) -> Problem:
     line, col = node.start_mark.line + 1, node.start_mark.column + 1
     return line, col, f"{filename}:{line}:{col}: {path or '(document)'}: {message}"
 
 
-def _duplicate_keys(root: yaml.Node | None, filename: str) -> list[tuple[int, int, str]]:
-    problems: list[tuple[int, int, str]] = []
+def _duplicate_keys(root: yaml.Node | None, filename: str) -> tuple[list[Problem], int]:
+    """Keys written twice in one mapping (the first MAX_PROBLEMS), and how many; keys a merge brings may repeat."""
+    problems: list[Problem] = []
+    count = 0
     seen_nodes: set[int] = set()
-
-    def visit(node: yaml.Node, path: str) -> None:
-        if id(node) in seen_nodes:  # aliases share nodes; anchors may even be recursive
-            return
+    stack: list[tuple[yaml.Node, str]] = [(root, "")] if root is not None else []
+    while stack:  # iterative: nesting is bounded, but a long file has many siblings
+        node, path = stack.pop()
+        if id(node) in seen_nodes:  # aliases share nodes
+            continue
         seen_nodes.add(id(node))
         if isinstance(node, yaml.MappingNode):
             first: dict[str, yaml.Node] = {}
+            children: list[tuple[yaml.Node, str]] = []
             for key, value in node.value:
-                name = str(key.value)
-                child = f"{path}.{name}" if path else name
-                if isinstance(key, yaml.ScalarNode) and name in first:
-                    line = first[name].start_mark.line + 1
-                    problems.append(
-                        _at(
-                            filename,
-                            key,
-                            child,
-                            f'expected each key once, got "{name}" again (first on line {line})',
+                if not isinstance(key, yaml.ScalarNode):  # a complex key: construction refuses it
+                    children.append((value, f"{path}.?" if path else "?"))
+                    continue
+                if key.tag == _MERGE:  # YAML lets the mapping's own keys override what a merge brings
+                    children.append((value, path))
+                    continue
+                name = key.value
+                child = f"{path}.{_cut(name)}" if path else _cut(name)
+                if name in first:
+                    count += 1
+                    if len(problems) < MAX_PROBLEMS:
+                        line = first[name].start_mark.line + 1
+                        problems.append(
+                            _at(
+                                filename,
+                                key,
+                                child,
+                                f"expected each key once, got {brief(name)} again (first on line {line})",
+                            )
                         )
-                    )
                 first.setdefault(name, key)
-                visit(value, child)
+                children.append((value, child))
+            stack.extend(reversed(children))  # visited in file order
         elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                visit(item, f"{path}[{i}]")
+            stack.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(node.value)]))
+    return problems, count
 
-    if root is not None:
-        visit(root, "")
-    return problems
+
+def _cut(name: Any, limit: int = 40) -> str:
+    text = str(name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _pairs(node: yaml.MappingNode, index: _Index) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """A mapping's scalar keys, built once per node: the error walk looks keys up once per problem."""
+    pairs = index.get(id(node))
+    if pairs is None:
+        pairs = {str(k.value): (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+        index[id(node)] = pairs
+    return pairs
 
 
 @dataclass
@@ -128,7 +195,7 @@ class _Spot:
     found: bool
 
 
-def _walk(loc: list[Any], root: yaml.Node) -> _Spot:
+def _walk(loc: list[Any], root: yaml.Node, index: _Index) -> _Spot:
     spot = _Spot("", root, None, Policy, [], None, None, True)
     for part in loc:
         members, _ = union_members(spot.tp)
@@ -147,7 +214,7 @@ def _walk(loc: list[Any], root: yaml.Node) -> _Spot:
             else:
                 spot.found = False
             continue
-        spot.path = f"{spot.path}.{part}" if spot.path else str(part)
+        spot.path = f"{spot.path}.{_cut(part)}" if spot.path else _cut(part)
         info = model_keys(tp).get(str(part)) if isinstance(tp, type) and issubclass(tp, BaseModel) else None
         spot.parent = tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
         spot.tp, spot.metadata, spot.examples = (
@@ -155,7 +222,7 @@ def _walk(loc: list[Any], root: yaml.Node) -> _Spot:
         )
         pair = None
         if spot.found and isinstance(spot.node, yaml.MappingNode):
-            pair = next(((k, v) for k, v in spot.node.value if str(k.value) == str(part)), None)
+            pair = _pairs(spot.node, index).get(str(part))
         if pair is None:
             spot.found = False
         else:
@@ -179,24 +246,24 @@ def _expected(spot: _Spot) -> str:
 
 
 def _got(spot: _Spot, value: Any) -> str:
-    return _MISSING if not spot.found else show(value)
+    return _MISSING if not spot.found else brief(value)
 
 
 def _as_written(node: yaml.Node, text: str, value: Any) -> str:
     """The found value as the user typed it: `10` stays `10`, not `10.0`; strings are quoted."""
     if isinstance(node, yaml.ScalarNode):
-        return show(node.value) if node.tag.endswith(":str") else str(node.value)
+        return brief(node.value) if node.tag.endswith(":str") else _cut(node.value, 60)
     if isinstance(node, yaml.CollectionNode) and node.flow_style:
-        source = " ".join(text[node.start_mark.index : node.end_mark.index].split())
-        return source if len(source) <= 60 else source[:57] + "..."
-    return show(value)
+        start = node.start_mark.index
+        return _cut(" ".join(text[start : min(node.end_mark.index, start + 200)].split()), 60)
+    return brief(value)
 
 
-def _locate(err: Any, root: yaml.Node, filename: str, text: str) -> tuple[int, int, str]:
+def _locate(err: Any, root: yaml.Node, filename: str, text: str, index: _Index) -> Problem:
     loc, kind, ctx, value = list(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
     if kind == PROBLEM:
         at = [int(p) if p.isdigit() else p for p in ctx["at"].split(".") if p]
-        spot = _walk(loc + at, root)
+        spot = _walk(loc + at, root, index)
         got = _as_written(spot.node, text, None) if ctx["as_written"] and spot.found else ctx["got"]
         return _at(filename, spot.node, spot.path, f"expected {ctx['expected']}, got {got}")
     if kind in (TARGET_SELECT_ERROR, "union_tag_invalid", "union_tag_not_found"):
@@ -206,14 +273,14 @@ def _locate(err: Any, root: yaml.Node, filename: str, text: str) -> tuple[int, i
             else ("type", _TYPE_EXPECTED, list(DETECTOR_TYPES))
         )
         if not isinstance(value, dict):
-            spot = _walk(loc, root)
+            spot = _walk(loc, root, index)
             return _at(
                 filename,
                 spot.node,
                 spot.path,
-                f"expected a mapping like {{{key}: {options[0]}}}, got {show(value)}",
+                f"expected a mapping like {{{key}: {options[0]}}}, got {brief(value)}",
             )
-        spot = _walk(loc + [key], root)
+        spot = _walk(loc + [key], root, index)
         got = _got(spot, value.get(key))
         return _at(
             filename,
@@ -222,12 +289,14 @@ def _locate(err: Any, root: yaml.Node, filename: str, text: str) -> tuple[int, i
             f"expected {expected}, got {got}{_suggest(value.get(key), options)}",
         )
     if kind == "extra_forbidden":
-        spot = _walk(loc, root)
+        spot = _walk(loc, root, index)
         known = list(model_keys(spot.parent)) if spot.parent else []
         hint = _suggest(loc[-1], known) or (f" (known keys: {', '.join(known)})" if known else "")
         node = spot.key_node or spot.node
-        return _at(filename, node, spot.path, f'expected a known key, got unknown key "{loc[-1]}"{hint}')
-    spot = _walk(loc, root)
+        return _at(
+            filename, node, spot.path, f"expected a known key, got unknown key {brief(str(loc[-1]))}{hint}"
+        )
+    spot = _walk(loc, root, index)
     if kind == "missing":
         return _at(filename, spot.node, spot.path, f"expected {_expected(spot)}, got {_MISSING}")
     hint = ""
@@ -235,7 +304,7 @@ def _locate(err: Any, root: yaml.Node, filename: str, text: str) -> tuple[int, i
         members, _ = union_members(spot.tp)
         if get_origin(members[0]) is Literal:
             hint = _suggest(value, [str(v) for v in get_args(members[0])])
-    got = _as_written(spot.node, text, value) if spot.found else show(value)
+    got = _as_written(spot.node, text, value) if spot.found else brief(value)
     if spot.tp is None:
         return _at(filename, spot.node, spot.path, f"expected {err['msg'].lower()}, got {got}")
     return _at(filename, spot.node, spot.path, f"expected {_expected(spot)}, got {got}{hint}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from policies.base import Spec, problem
 from policies.monitor_schema import MonitorConfig
@@ -68,6 +68,11 @@ class CheckpointConfig(Spec):
     verify: Literal["full", "fast", "none"] = Field(
         "full",
         description="Check before restoring: `full` hashes every byte, `fast` checks sizes and manifest, `none` skips.",
+    )
+    allow_nonfinite: bool = Field(
+        False,
+        description="Allow an unhealthy checkpoint (a NaN or an infinity in its parameters or optimizer state "
+        "when it was taken) as a rollback or resume target and as the latest to resume from.",
     )
 
     @model_validator(mode="after")
@@ -233,6 +238,14 @@ class Policy(Spec):
     limits: Limits = Field(
         default_factory=Limits, description="Budgets, backoff and rollback-loop escalation."
     )
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _integer_version(cls, value: object) -> object:
+        # Literal[1] also matches True and 1.0 (they compare equal to 1); only the integer is version 1.
+        if type(value) is not int:
+            raise problem("", "1", value)
+        return value
 
     @model_validator(mode="after")
     def _no_shadowed_events(self) -> Policy:

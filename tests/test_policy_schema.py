@@ -261,3 +261,57 @@ def test_missing_file_is_a_policy_error(tmp_path):
         str(info.value)
         == f"{tmp_path / 'nope.yaml'}: expected a readable policy file, got No such file or directory"
     )
+
+
+# `policy explain` on rollback loops: only a target with a lookback can have it widened (engine._escalate).
+_LOOP_HEAD = "  Rollback loops: when the same anomaly recurs within 50 steps of an earlier rollback's onset, "
+_LOOP_TAIL = "for up to 1 recurrence; the next recurrence fails the run."
+
+
+@pytest.mark.parametrize(
+    ("targets", "limits", "line"),
+    [
+        (
+            ["{select: latest}"],
+            "",
+            _LOOP_HEAD + "rules[0] (select: latest, which has no lookback to widen) "
+            "rolls back the same way again, " + _LOOP_TAIL,
+        ),
+        (
+            ["{select: best, metric: val_loss}"],
+            "",
+            _LOOP_HEAD + "rules[0] (select: best, which has no lookback "
+            "to widen) rolls back the same way again, " + _LOOP_TAIL,
+        ),
+        (
+            ["{select: before, lookback_steps: 10}"],
+            "",
+            _LOOP_HEAD + "the lookback grows 2x per recurrence " + _LOOP_TAIL,
+        ),
+        (
+            ["{select: best_before, metric: val_loss, lookback_steps: 10}"],
+            "",
+            _LOOP_HEAD + "the lookback grows 2x per recurrence " + _LOOP_TAIL,
+        ),
+        (
+            ["{select: before, lookback_steps: 10}", "{select: latest}"],
+            "",
+            _LOOP_HEAD + "the lookback of "
+            "rules[0] grows 2x per recurrence and rules[1] (select: latest, which has no lookback to widen) rolls "
+            "back the same way again, " + _LOOP_TAIL,
+        ),
+        ([], "", "  Rollback loops: no rule rolls back, so there is no loop to detect."),
+        (["{select: latest}"], "limits: {escalation: {max_escalations: 0}}", _LOOP_HEAD + "the run fails."),
+        (["{select: latest}"], "limits: {escalation: null}", "  Rollback loops are not detected."),
+    ],
+    ids=["latest", "best", "before", "best_before", "mixed", "no-rollback", "no-escalation", "off"],
+)
+def test_explain_promises_a_growing_lookback_only_for_targets_with_one(targets, limits, line):
+    from policies.explain import explain
+
+    events = ["spike", "divergence", "threshold"]
+    rules = [
+        f"  - when: [{events[i]}]\n    action: rollback\n    target: {t}\n" for i, t in enumerate(targets)
+    ] or ["  - when: [spike]\n    action: fail\n"]
+    text = explain(parse_policy("version: 1\nname: x\nrules:\n" + "".join(rules) + limits + "\n"))
+    assert [x for x in text.splitlines() if "Rollback loops" in x] == [line]

@@ -1,8 +1,10 @@
-"""`rollback-supervisor status` over a hand-built lineage record and a real checkpoint store."""
+"""`rollback-supervisor status` over a hand-built lineage record and a checkpoint store where the default
+storage puts it (`<workdir>/checkpoints/<lineage>`); test_status_real_run.py reads what a real run wrote."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flows.cli_status import DEFAULT_STORAGE, in_process_reason, segment_steps
+from policies.schema import CheckpointConfig
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
+from supervisor.checkpoint.options import CheckpointInfo
 from supervisor.cli import main
 from supervisor.report import report_tags
 from supervisor.state import TrainingState
@@ -45,7 +50,7 @@ def workdir(tmp_path: Path) -> Path:
     wd = tmp_path / "wd"
     demo = wd / "lineages" / "charlm-demo"
     demo.mkdir(parents=True)
-    ids = _store(demo / "checkpoints")
+    ids = _store(wd / "checkpoints" / "charlm-demo")  # the default storage's place; the record has no storage
     assert [ids[i] for i in (0, 1, 5, 6, 7)] == [CKPT[100], CKPT[200], CKPT[400], CKPT[500], FINAL]
     (demo / "lineage.json").write_text(json.dumps(lineage_record(), indent=2))
     fresh = wd / "lineages" / "fresh"
@@ -144,7 +149,7 @@ def test_lineage_filter_and_its_errors(workdir, capsys):
             ),
             ["--workdir", "{tmp}"],
             2,
-            "{tmp}/lineages/bad/lineage.json: cannot read the lineage record",
+            "lineage record {tmp}/lineages/bad/lineage.json is not valid JSON",
         ),
         (
             lambda tmp: tmp.mkdir(exist_ok=True),
@@ -176,3 +181,194 @@ def test_console_script_prints_json(workdir):
     assert (
         missing.returncode == 2 and "error: --workdir" in missing.stderr and "Traceback" not in missing.stderr
     )
+
+
+def test_in_process_rows_say_in_process_and_relaunches_keep_their_delay(workdir, capsys):
+    rows = _json(capsys, "--workdir", str(workdir), "--lineage", "charlm-demo")["lineages"][0]["timeline"]
+    for row in rows:
+        assert ("in process" in row["reason"]) == row["in_process"], row["reason"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [
+        (
+            "rules[0]: roll back; skip 300 batches, lr x0.5, relaunch in 0.7 s; budgets left: 4 of 5",
+            "rules[0]: roll back; skip 300 batches, lr x0.5, continued in process, no relaunch; budgets left: 4 of 5",
+        ),
+        ("fake in-process rollback", "fake in-process rollback; handled in process"),
+    ],
+)
+def test_in_process_reason(reason, shown):
+    assert in_process_reason(reason) == shown
+
+
+def _info(step: int, seq: int, wall_time: float, abandoned: bool = False) -> CheckpointInfo:
+    return CheckpointInfo(
+        id=f"{step:010d}-{seq:06d}", step=step, wall_time=wall_time, seq=seq, abandoned=abandoned
+    )
+
+
+#: A store along one lineage: 100 and 120 before the segment (started at t=10), 140 during it (t=12).
+INFOS = [_info(100, 1, 5.0), _info(120, 2, 6.0), _info(140, 3, 12.0)]
+
+
+def _seg(**kw) -> dict:
+    # start_step / last_step are the heartbeat's steps at launch and at exit, as the orchestrator records them
+    return {"index": 1, "started": 10.0, "ended": 20.0, "start_step": 90, "last_step": 137, **kw}
+
+
+@pytest.mark.parametrize(
+    ("seg", "spool", "steps"),
+    [
+        # killed at 150: the heartbeat said 137, the spool logged 150
+        (_seg(restore={"checkpoint_id": "0000000100-000001"}), (19.0, 150), (100, 150)),
+        # no spool: the checkpoint it saved (140) beats the lagging heartbeat
+        (_seg(restore={"checkpoint_id": "0000000100-000001"}), None, (100, 140)),
+        # a checkpoint retention deleted: its id still names its step
+        (_seg(restore={"checkpoint_id": "0000000080-000009"}, last_step=85), None, (80, 140)),
+        # the heartbeat file is the lineage's: unchanged since launch means this segment never beat
+        (_seg(restore={"checkpoint_id": "0000000100-000001"}, start_step=137, ended=11.0), None, (100, 100)),
+        (_seg(restore={"from_scratch": True}, ended=11.0, last_step=5), None, (0, 5)),
+        # "the newest valid" at launch: the newest checkpoint saved before the segment started
+        (_seg(restore={}, ended=11.0, last_step=None), None, (120, 120)),
+        (_seg(restore={}, index=0, started=1.0, ended=2.0, last_step=None), None, (0, 0)),
+        # the anomaly that ended it was seen at step 152
+        (
+            _seg(restore={"checkpoint_id": "0000000100-000001"}, event={"step": 152, "wall_time": 19.5}),
+            (19.0, 150),
+            (100, 152),
+        ),
+        # an in-process rollback at step 160 went back to 140 at t=14; after it the spool logged 150, and the
+        # heartbeat (158) may predate the rollback
+        (
+            _seg(
+                restore={"checkpoint_id": "0000000100-000001"},
+                last_step=158,
+                in_process=[
+                    {
+                        "time": 14.0,
+                        "event": {"step": 160},
+                        "decision": {"action": "rollback", "target_step": 140},
+                    }
+                ],
+            ),
+            (19.0, 150),
+            (100, 150),
+        ),
+        # ... but a beat past the anomaly's step is on the new branch
+        (
+            _seg(
+                restore={"checkpoint_id": "0000000100-000001"},
+                last_step=171,
+                in_process=[
+                    {
+                        "time": 14.0,
+                        "event": {"step": 160},
+                        "decision": {"action": "rollback", "target_step": 140},
+                    }
+                ],
+            ),
+            (19.0, 150),
+            (100, 171),
+        ),
+    ],
+)
+def test_segment_steps_come_from_the_record_checkpoints_and_spool(seg, spool, steps):
+    assert segment_steps(seg, INFOS, spool) == steps
+
+
+def test_the_default_storage_is_the_schemas():
+    assert CheckpointConfig().storage == DEFAULT_STORAGE
+
+
+def _record(lineage: str, **extra) -> dict:
+    return {"version": 1, "lineage": lineage, "status": "finished", "segments": [], **extra}
+
+
+def _small_store(directory: Path) -> str:
+    state = TrainingState()
+    state.register("model", torch.nn.Linear(2, 2))
+    with CheckpointManager(
+        CheckpointOptions(directory=directory, async_save=False, memory_slots=0), state
+    ) as m:
+        return m.save(10).id
+
+
+@pytest.mark.parametrize("where", ["recorded-outside-the-workdir", "workdir-moved", "no-storage-key"])
+def test_status_finds_the_store_wherever_the_policy_put_it(tmp_path, capsys, where):
+    wd = tmp_path / "wd"
+    (wd / "lineages" / "x").mkdir(parents=True)
+    if where == "recorded-outside-the-workdir":  # storage: /abs/elsewhere
+        store = tmp_path / "elsewhere" / "x"
+        storage = {"checkpoints": str(store), "remote": None, "durable": str(wd / "lineages" / "x")}
+    elif where == "workdir-moved":  # storage: ./ckpts, recorded when the workdir was /old/wd
+        store = wd / "ckpts" / "x"
+        storage = {"checkpoints": "/old/wd/ckpts/x", "remote": None, "durable": "/old/wd/lineages/x"}
+    else:
+        store, storage = wd / "checkpoints" / "x", None
+    ckpt = _small_store(store)
+    record = _record("x", **({"storage": storage} if storage else {}))
+    (wd / "lineages" / "x" / "lineage.json").write_text(json.dumps(record))
+    view = _json(capsys, "--workdir", str(wd))["lineages"][0]
+    assert [c["id"] for c in view["checkpoints"]] == [ckpt]
+    assert view["checkpoint_store"] == str(store.resolve())
+
+
+BINARY = bytes(range(256)) * 4
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (BINARY, "is not valid JSON (UnicodeDecodeError"),
+        (b"\x89PNG\r\n\x1a\n" + BINARY, "is not valid JSON"),
+        (b'{"lineage": "x", "segments": [', "is not valid JSON (JSONDecodeError"),
+        (b"[" * 100_000 + b"]" * 100_000, "is not valid JSON (RecursionError"),
+        (b"[1, 2]", "is not a lineage record: expected a JSON object, found a list"),
+        (b'{"segments": 5}', "is not a lineage record: key 'segments': found a number"),
+        (b'{"segments": [{"in_process": [1]}]}', "segments[0].in_process[0]: expected an object"),
+        (b'{"segments": [{"restore": "latest"}]}', "segments[0].restore: found a string"),
+        (b'{"segments": [{"started": true}]}', "segments[0].started: found a boolean"),
+    ],
+    ids=[
+        "binary",
+        "png",
+        "truncated",
+        "deep",
+        "list",
+        "segments-number",
+        "in-process-item",
+        "restore",
+        "bool",
+    ],
+)
+def test_an_invalid_lineage_record_is_one_line_and_exit_2(tmp_path, capsys, content, message):
+    path = tmp_path / "lineages" / "bad" / "lineage.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    assert main(["status", "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: lineage record {path} ") and message in err, err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("make", [os.mkfifo, os.mkdir], ids=["fifo", "directory"])
+def test_a_lineage_record_that_is_no_file_does_not_hang(tmp_path, capsys, make):
+    path = tmp_path / "lineages" / "bad" / "lineage.json"
+    path.parent.mkdir(parents=True)
+    make(path)  # a FIFO with no writer: reading it would wait forever
+    assert main(["status", "--workdir", str(tmp_path)]) == 2
+    assert f"lineage record {path} is not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_console_script_on_a_binary_record_prints_one_line(tmp_path):
+    path = tmp_path / "lineages" / "bad" / "lineage.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(BINARY)
+    out = subprocess.run(
+        [str(EXE), "status", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"error: lineage record {path} is not valid JSON")
