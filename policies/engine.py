@@ -23,10 +23,13 @@ def decide(
     *,
     now: float,
     rng_seed: int | None = None,
+    in_process: bool = False,
 ) -> Decision:
     """Decide what to do about `event`; `now` is the caller's clock and `rng_seed` fixes the backoff jitter.
 
     The history is read, never changed: record the returned decision with `history.record(event, d, now)`.
+    `in_process`: the training process asks and carries out a rollback with a target itself, so that
+    decision has no relaunch delay and says so.
     """
     what = describe_event(event)
     if event.type not in EVENT_TYPES:
@@ -44,7 +47,7 @@ def decide(
         return _fail(event, index, f"{head}; the policy says fail")
     if rule.action == "stop":
         return _stop(policy, event, index, head, catalogue)
-    return _relaunch(policy, rule, index, head, event, history, catalogue, now, rng_seed)
+    return _relaunch(policy, rule, index, head, event, history, catalogue, now, rng_seed, in_process)
 
 
 def describe_event(event: Event) -> str:
@@ -93,6 +96,7 @@ def _relaunch(
     catalogue: Sequence[CheckpointRecord],
     now: float,
     rng_seed: int | None,
+    in_process: bool,
 ) -> Decision:
     limits = policy.limits
     rollback = rule.action == "rollback"
@@ -171,7 +175,11 @@ def _relaunch(
         rng_seed if rng_seed is not None else seed_for(policy.name, len(history), event.type, event.step, now)
     )
     delay = relaunch_delay(limits.backoff, attempt, seed)
-    notes.append(f"skip {rule.skip_batches} batches, lr x{rule.lr_scale:g}, relaunch in {delay:.1f} s")
+    if in_process and rollback and chosen is not None:
+        delay, then = 0.0, "carried out in process, no relaunch"
+    else:
+        then = f"relaunch in {delay:.1f} s"
+    notes.append(f"skip {rule.skip_batches} batches, lr x{rule.lr_scale:g}, {then}")
     notes.append(
         f"budgets left: {limits.max_rollbacks - rollbacks_after} of {limits.max_rollbacks} rollbacks, "
         f"{limits.max_restarts - restarts_after} of {limits.max_restarts} restarts"

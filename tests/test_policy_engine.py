@@ -347,6 +347,21 @@ def test_reason_names_rule_event_checkpoint_why_and_budgets():
     )
 
 
+def test_an_in_process_rollback_says_so_and_has_no_relaunch_delay():
+    """The training process carries out its own rollback: no "relaunch in X s" in its reason (issue 14)."""
+    policy = load_preset("palm-spike")
+    catalogue = [CheckpointRecord(f"step-{s:06d}", s, {"val_loss": v}) for s, v in [(800, 2.4), (1000, 2.3)]]
+    event = Event(type="spike", reason="loss 9.1 > 6 sigmas", metric="loss", onset_step=1180, step=1200)
+    decision = decide(policy, event, History(), catalogue, now=NOW, rng_seed=1, in_process=True)
+    assert decision.action == "rollback" and decision.target_id == "step-001000"
+    assert decision.delay_seconds == 0.0
+    assert "skip 300 batches, lr x0.5, carried out in process, no relaunch" in decision.reason
+    assert "relaunch in" not in decision.reason
+    # A decision the training process cannot carry out (here: no checkpoint, so from scratch) keeps its delay.
+    fresh = decide(policy, event, History(), [], now=NOW, rng_seed=1, in_process=True)
+    assert fresh.action != "rollback" or fresh.target_id is None
+
+
 def test_decide_never_touches_history_or_catalogue():
     policy = parse_policy(POLICY)
     history = past(("spike", "rollback", 620))

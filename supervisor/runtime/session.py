@@ -421,7 +421,9 @@ class Session:
 
         # Writes in flight included: never waited for (ARCHITECTURE.md).
         known = self._despite_save_failures(self.manager.candidates)
-        decision = decide(self.policy, event, self.history, to_records(known), now=time.time())
+        decision = decide(
+            self.policy, event, self.history, to_records(known), now=time.time(), in_process=True
+        )
         log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
         if decision.action == "rollback" and decision.target_id is not None:
             t0 = time.monotonic()
