@@ -123,3 +123,32 @@ def test_a_stale_segment_is_killed_only_if_its_pid_was_not_reused(tmp_path: Path
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_failure_after_launch_never_leaks_the_training_process(tmp_path: Path):
+    """Building the segment's monitor used to sit outside the `try`: when it failed, the child kept running."""
+    import sys
+
+    import psutil
+    import pytest
+
+    from supervisor.monitor.sources import MetricsSourceError
+
+    runner = LineageRunner(
+        RunOptions(
+            command=(sys.executable, "-c", "import time; time.sleep(120)"),
+            policy_path=str(FAST_POLICY),
+            lineage="t",
+            workdir=tmp_path,
+            stop_grace_seconds=2,
+        )
+    )
+    runner.open()
+    try:
+        runner.tracking_uri = "bogus-scheme://nowhere"  # the monitor cannot be built for this store
+        with pytest.raises(MetricsSourceError):
+            runner.run_segment()
+        pid = runner.record["segments"][-1]["pid"]
+        assert pid is not None and not psutil.pid_exists(pid)
+    finally:
+        runner.close()
