@@ -18,6 +18,7 @@ from rich.text import Text
 
 from supervisor.errors import UserError
 from supervisor.layout import LineageLayout, is_url
+from supervisor.lineage import MAX_RECORD_BYTES, LineageRecordError, decode_record
 from supervisor.report.timeline import (
     SEGMENT_COLUMNS,
     clock_text,
@@ -30,8 +31,6 @@ from supervisor.report.timeline import (
 )
 
 STATUS_STYLES = {"finished": "green", "stopped": "green", "running": "cyan", "failed": "bold red"}
-#: A lineage record is a few KB; anything far larger is damage, not a record.
-MAX_RECORD_BYTES = 64 << 20
 #: The policy's checkpoint.storage when the record does not say (the schema's default).
 DEFAULT_STORAGE = "./checkpoints"
 #: How much of a metric spool's end is read to find the last step it logged.
@@ -92,12 +91,9 @@ def _read(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise StatusError(f"lineage record {path} cannot be read: {exc.strerror or exc}") from None
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise StatusError(
-            f"lineage record {path} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]}); restore it "
-            "from a backup or remove its lineage directory"
-        ) from None
+        record = decode_record(raw, str(path))
+    except LineageRecordError as exc:
+        raise StatusError(str(exc)) from None
     problem = _shape_problem(record)
     if problem:
         raise StatusError(f"lineage record {path} is not a lineage record: {problem}")

@@ -86,17 +86,22 @@ class LineageStore:
         write_json_atomic(self.fs, self.record_path, record)
 
 
-def parse_record(raw: bytes, where: str) -> dict[str, Any]:
-    """Validate a lineage record's bytes: a JSON object with the keys every record has."""
+def decode_record(raw: bytes, where: str) -> Any:
+    """A lineage record's bytes as JSON; LineageRecordError (one line) for anything that is not JSON."""
     if len(raw) > MAX_RECORD_BYTES:
         raise LineageRecordError(f"lineage record {where} is over {MAX_RECORD_BYTES >> 20} MB; it is damaged")
     try:
-        record = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise LineageRecordError(
             f"lineage record {where} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]}); restore it "
             "from a backup or start a new lineage with another --lineage"
         ) from None
+
+
+def parse_record(raw: bytes, where: str) -> dict[str, Any]:
+    """Validate a lineage record's bytes: a JSON object with the keys every record has."""
+    record = decode_record(raw, where)
     if not isinstance(record, dict):
         raise LineageRecordError(
             f"lineage record {where}: expected a JSON object, found {type(record).__name__}"
