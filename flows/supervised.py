@@ -108,8 +108,8 @@ def supervised_training(
         lease_owner=lease_owner or "",
     )
     runner = LineageRunner(options)
-    open_lineage(runner)
     try:
+        open_lineage(runner)
         status, reason = "failed", f"gave up after {max_segments} segments"
         pending = runner.pending  # the previous supervisor vanished mid-segment: that spends budget too
         if pending is not None and pending.action in ("stop", "fail"):

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from supervisor.errors import UserError
-from supervisor.state import Stateful, capture_rng, rank_seed, restore_rng
+from supervisor.rng import capture_rng, rank_seed, restore_rng
+from supervisor.stateful import Stateful
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 

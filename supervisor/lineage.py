@@ -3,13 +3,18 @@
 Everything a new flow run needs to resume lives here: events, decisions, budgets spent (the policy
 history), the MLflow run, the segments so far and the plan for the next one.
 
-Fencing: every take-over of the lease increments its `token`. The holder stamps each record write with its
-token, and a write is refused when the stored record carries a newer one, so a supervisor that lost its
-lease (a long GC pause, a frozen VM) cannot overwrite what the new holder wrote.
+Fencing: every take-over of the lease increments its `token`, which never goes back (a release leaves the
+token in an expired lease record, and a holder raises it above the record's on open). The holder stamps each
+record write with its token, and a write is refused when the stored record carries a newer one, so a
+supervisor that lost its lease (a long GC pause, a frozen VM) cannot overwrite what the new holder wrote.
+Locally the read-compare-write is done under a lock file; on an object store it is a check before the write
+(best effort: the lease's conditional writes are the hard guarantee there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -18,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +77,10 @@ class LineageStore:
 
     def save(self, record: dict[str, Any], fence: int | None = None) -> None:
         """Write `record`; with a `fence` (the lease token), refuse if a newer lease holder wrote it last."""
-        if fence is not None:
+        if fence is None:
+            write_json_atomic(self.fs, self.record_path, record)
+            return
+        with self._locked():
             try:
                 stored = self.load()
             except LineageRecordError:
@@ -83,7 +92,20 @@ class LineageStore:
                     f"ours {fence}); this supervisor lost its lease and stops without writing"
                 )
             record["lease_token"] = fence
-        write_json_atomic(self.fs, self.record_path, record)
+            write_json_atomic(self.fs, self.record_path, record)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive flock around a read-compare-write of a local record; nothing on object stores."""
+        if "file" not in _protocols(self.fs):
+            yield
+            return
+        fd = os.open(self.record_path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
 
 def decode_record(raw: bytes, where: str) -> Any:
@@ -198,6 +220,8 @@ class Lease:
         self.path = _join(self._dir, "lease.json")
         self.owner = self.owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._raw: bytes | None = None  # the bytes `holder()` last read: what a compare-and-swap replaces
+        self._floor = 0  # the token of a released lease last read: the next take-over goes above it
+        self._released_by = ""  # who released the lease last read (a keeper of ours stops quietly)
 
     def holder(self) -> dict[str, Any] | None:
         """The current lease record; a damaged one reads as an expired lease of nobody."""
@@ -205,13 +229,16 @@ class Lease:
         try:
             raw = self.fs.cat_file(self.path)
         except FileNotFoundError:
-            self._raw = None
+            self._raw, self._floor, self._released_by = None, 0, ""
             return None
         self._raw = raw
         parsed = parse_lease(raw[: MAX_RECORD_BYTES + 1])
         if parsed is None:
             log.warning("lease %s is damaged (%d bytes); treating it as expired", self.path, len(raw))
             return {"owner": "", "expires_at": 0.0, "token": 0, "damaged": True}
+        if parsed["owner"] == "":  # released: nobody holds it, and its token is the floor of the next
+            self._floor, self._released_by = parsed["token"], str(parsed.get("released_by", ""))
+            return None
         return parsed
 
     def _takeable(self, current: dict[str, Any] | None) -> bool:
@@ -238,17 +265,21 @@ class Lease:
                 )
             sleep(min(1.0, max(0.05, deadline - self.clock())))
 
-    def _take(self, seen: dict[str, Any] | None) -> bool:
+    def _take(self, seen: dict[str, Any] | None, token: int | None = None) -> bool:
         # The owner string is unique to one supervisor process: the same owner is a renewal or a hand-over
         # inside that process (the CLI takes the lease before Prefect starts, the flow adopts it).
         ours = seen is not None and seen.get("owner") == self.owner
-        base = seen.get("token", 0) if seen else 0
+        base = seen.get("token", 0) if seen else self._floor
         record = {
             "owner": self.owner,
             "expires_at": self.clock() + self.ttl_seconds,
-            "acquired_at": seen["acquired_at"] if ours and "acquired_at" in seen else self.clock(),
-            "token": base if ours else base + 1,
+            "acquired_at": seen["acquired_at"] if ours and seen and "acquired_at" in seen else self.clock(),
+            "token": token if token is not None else (base if ours else base + 1),
         }
+        return self._write(seen, record)
+
+    def _write(self, seen: dict[str, Any] | None, record: dict[str, Any]) -> bool:
+        """Replace exactly what was last read with `record` (compare-and-swap where the storage allows it)."""
         if "file" in self.fs.protocol:
             ok = self._take_local(seen, record)
         elif "s3" in _protocols(self.fs):
@@ -256,7 +287,8 @@ class Lease:
         else:
             write_json_atomic(self.fs, self.path, record)
             time.sleep(0.2)
-            ok = (self.holder() or {}).get("owner") == self.owner
+            now = self.holder()
+            ok = now is None if record["owner"] == "" else (now or {}).get("owner") == self.owner
         if ok:
             self.token = record["token"]
         return ok
@@ -342,10 +374,33 @@ class Lease:
         if not self._take(current):
             self.check()  # a failed write may still leave our unexpired lease (a racing lock file)
 
+    def advance(self, above: int) -> None:
+        """Raise our token above `above` (the lineage record's), so our fenced writes are accepted.
+
+        A lease file lost or damaged meanwhile restarts its tokens low; the record remembers the highest.
+        """
+        if self.token > above:
+            return
+        current = self.holder()
+        if current is None or current.get("owner") != self.owner or current.get("token") != self.token:
+            self.check()
+        if not self._take(current, token=above + 1):
+            self.check()
+            raise LeaseHeldError(f"could not raise the lease token on {self.root}; try again")
+
     def release(self) -> None:
+        """Give the lease up: an expired record of nobody that keeps the token, so tokens never go back."""
         current = self.holder()
         if current and current.get("owner") == self.owner and current.get("token") == self.token:
-            self.fs.rm(self.path)
+            released = {
+                "owner": "",
+                "expires_at": 0.0,
+                "token": self.token,
+                "released_by": self.owner,
+                "released_at": self.clock(),
+            }
+            if not self._write(current, released):
+                log.warning("could not release the lease on %s; it expires on its own", self.root)
         self.token = 0
 
 
@@ -370,12 +425,13 @@ class LeaseKeeper:
         return self
 
     def _run(self) -> None:
+        """Renew until stopped or until a loss is confirmed; any other failure is retried at the next tick."""
         while not self._stop.wait(self.interval):
             try:
                 with self._lock:
                     self.lease.renew()
             except LeaseHeldError as exc:
-                if self.lease.holder() is None:  # released (the run ended): nothing to keep
+                if self.lease._released_by == self.lease.owner:  # this process released it: the run ended
                     return
                 log.error("%s", exc)
                 self._error = exc

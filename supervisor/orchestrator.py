@@ -112,10 +112,23 @@ class LineageRunner:
     # -- open / close -------------------------------------------------------------------------
 
     def open(self) -> dict[str, Any]:
-        """Take the lease, then load the lineage record (resuming it) or create it."""
+        """Take the lease, then load the lineage record (resuming it) or create it.
+
+        If anything fails after the lease is taken, the lease is released before the error propagates.
+        """
         self.lease.acquire(self.options.lease_wait_seconds)
         self.keeper = LeaseKeeper(self.lease).start()
+        try:
+            return self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> dict[str, Any]:
         record = self.store.load() or (self.local_store.load() if self.local_store else None)
+        recorded = (record or {}).get("lease_token", 0)
+        if isinstance(recorded, int) and not isinstance(recorded, bool):
+            self.lease.advance(recorded)  # a lease file lost meanwhile restarted its tokens low
         if record is None:
             # The tracking store is opened (and, on a fresh workdir, created) only under the lease, and its
             # creation is serialised across lineages sharing the workdir's sqlite file.
@@ -205,7 +218,7 @@ class LineageRunner:
         """A segment with no end belongs to a supervisor that died (spot loss): resume from the newest valid."""
         for seg in record["segments"]:
             if seg.get("ended") is None:
-                _kill_stale(seg)
+                _kill_stale(seg, self.layout.local)
                 seg["ended"] = self.clock()
                 seg["outcome"] = "interrupted"
                 seg["event"] = Event(
@@ -570,16 +583,16 @@ def _same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:
     return abs(a.onset_step - b.onset_step) <= tolerance
 
 
-def _kill_stale(seg: dict[str, Any]) -> None:
+def _kill_stale(seg: dict[str, Any], plan_dir: Path) -> None:
     """Kill a training process group left running by a supervisor that died on this same host.
 
-    Only the very process the segment started: a PID reused since by an unrelated process (its start time
-    differs from the recorded one) is left alone. A record without a start time kills nothing.
+    Only the very process the segment started (see `_is_segment_process`): a PID reused since by an unrelated
+    process is left alone.
     """
     pid, started = seg.get("pid"), seg.get("pid_started")
-    if not pid or started is None or seg.get("host") != socket.gethostname():
+    if not pid or seg.get("host") != socket.gethostname():
         return
-    if _process_started(pid) != started:
+    if not _is_segment_process(pid, started, plan_dir):
         log.info("segment %d: pid %d is gone or was reused; nothing to kill", seg["index"], pid)
         return
     try:
@@ -588,6 +601,26 @@ def _kill_stale(seg: dict[str, Any]) -> None:
             log.warning("killed stale training process group %d of segment %d", pid, seg["index"])
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _is_segment_process(pid: int, started: float | None, plan_dir: Path) -> bool:
+    """Whether `pid` is still the training process a segment of this lineage started.
+
+    Its start time must match the recorded one within a second (psutil derives it from the boot time, which
+    can move by about that much when the clock is adjusted), and where its environment is readable it must
+    carry a launch plan from this lineage's directory. A record from before start times were kept is judged
+    by the environment alone.
+    """
+    import psutil
+
+    now = _process_started(pid)
+    if now is None or (started is not None and abs(now - started) > 1.0):
+        return False
+    try:
+        plan = psutil.Process(pid).environ().get(PLAN_ENV)
+    except psutil.Error:
+        return started is not None
+    return plan is not None and Path(plan).parent == plan_dir
 
 
 def _process_started(pid: int) -> float | None:

@@ -74,3 +74,33 @@ def test_sigkill_at_random_instants_never_exposes_a_partial_checkpoint(tmp_path)
         assert mgr.latest() is not None
     assert os.listdir(store / ".tmp") == []
     assert all((p / "COMMITTED").exists() for p in store.glob("ckpt-*"))
+
+
+def test_a_commit_under_an_existing_name_touches_nothing_committed(tmp_path):
+    """A commit that collides with a committed checkpoint refuses before anything moves (it used to rename its
+    blob over the committed one's, then delete it while undoing)."""
+    import os
+
+    import pytest
+
+    from supervisor.checkpoint import CheckpointManager, CheckpointOptions, open_store
+    from supervisor.checkpoint.local import LocalStore
+    from supervisor.errors import CheckpointError
+    from tests.ckpt_scripts.tiny import Tiny
+
+    t = Tiny()
+    with CheckpointManager(CheckpointOptions(tmp_path, async_save=False), t.state) as mgr:
+        info = mgr.save(1)
+    blobs = sorted(os.listdir(tmp_path / "blobs"))
+    before = {name: (tmp_path / "blobs" / name).read_bytes() for name in blobs}
+    store = LocalStore(tmp_path)
+    try:
+        staged = store.stage(info.id)
+        for name in blobs:
+            (open(os.path.join(staged, name), "wb")).close()  # an empty impostor of the committed blob
+        with pytest.raises(CheckpointError, match="already exists"):
+            store.commit(info.id, staged, b"{}", [f"blobs/{name}" for name in blobs])
+    finally:
+        store.close()
+    assert {name: (tmp_path / "blobs" / name).read_bytes() for name in blobs} == before
+    assert open_store(tmp_path).verify(info.id, "full") is None

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from supervisor.checkpoint.flatten import (
+from supervisor.errors import UnsupportedStateError
+from supervisor.flatten import (
     MISSING,
     flatten,
     leaf_paths,
@@ -19,7 +20,6 @@ from supervisor.checkpoint.flatten import (
     tensor_paths,
     unflatten,
 )
-from supervisor.errors import UnsupportedStateError
 
 
 def _same(a, b) -> bool:

@@ -26,22 +26,22 @@ CLI = Path(sys.executable).with_name("rollback-supervisor")
 
 
 def test_keeper_holds_a_short_lease_through_a_long_wait(tmp_path: Path):
-    """The relaunch delay is 5x the TTL: with the keeper renewing, nobody else can take the lease meanwhile."""
-    a = Lease(str(tmp_path), ttl_seconds=0.4, owner=A)
+    """The wait is 2x the TTL: with the keeper renewing, nobody else can take the lease meanwhile."""
+    a = Lease(str(tmp_path), ttl_seconds=2.0, owner=A)
     a.acquire()
     keeper = LeaseKeeper(a).start()
     try:
-        deadline = time.monotonic() + 2.0  # the supervisor "sleeps through its backoff"
+        deadline = time.monotonic() + 4.0  # the supervisor "sleeps through its backoff"
         while time.monotonic() < deadline:
             with pytest.raises(LeaseHeldError, match="driven by host-a:101:aaaa"):
-                Lease(str(tmp_path), ttl_seconds=0.4, owner=B).acquire(0)
-            time.sleep(0.1)
+                Lease(str(tmp_path), ttl_seconds=2.0, owner=B).acquire(0)
+            time.sleep(0.2)
         keeper.check()  # and before the launch, the lease is still ours
         keeper.renew_now()
     finally:
         keeper.stop()
-    time.sleep(0.5)  # without the keeper, the lease expires
-    Lease(str(tmp_path), ttl_seconds=0.4, owner=B).acquire(0)
+    time.sleep(2.2)  # without the keeper, the lease expires
+    Lease(str(tmp_path), ttl_seconds=2.0, owner=B).acquire(0)
     with pytest.raises(LeaseHeldError, match="lost the lease .* to host-b:202:bbbb"):
         LeaseKeeper(a).check()
 
@@ -80,6 +80,56 @@ def test_the_record_is_fenced_by_the_lease_token(tmp_path: Path):
     b2 = Lease(str(tmp_path), ttl_seconds=30, owner=B, clock=clock)
     b2.acquire()
     assert b2.token == b.token == 2
+
+
+def test_tokens_never_go_back_across_a_takeover_and_a_clean_release(tmp_path: Path):
+    """A crashes, B takes over and finishes cleanly, C starts: C's fenced writes must be accepted."""
+    clock = FakeClock()
+    store = LineageStore(str(tmp_path))
+    record = {"lineage": "x", "status": "running", "segments": [], "mlflow": {}, "history": {}}
+    a = Lease(str(tmp_path), ttl_seconds=30, owner=A, clock=clock)
+    a.acquire()
+    store.save(dict(record), fence=a.token)
+    clock.now += 31  # A died with its lease
+    b = Lease(str(tmp_path), ttl_seconds=30, owner=B, clock=clock)
+    b.acquire()
+    store.save(dict(record), fence=b.token)
+    b.release()
+    assert b.holder() is None
+    c = Lease(str(tmp_path), ttl_seconds=30, owner="host-c:303:cccc", clock=clock)
+    c.acquire()
+    assert c.token == 3
+    store.save({**record, "status": "c"}, fence=c.token)
+    assert store.load()["status"] == "c"
+    # A lease file lost altogether restarts low; advancing above the record's token restores the fence.
+    c.release()
+    Path(c.path).unlink()
+    d = Lease(str(tmp_path), ttl_seconds=30, owner="host-d:404:dddd", clock=clock)
+    d.acquire()
+    assert d.token == 1
+    with pytest.raises(LeaseHeldError, match="newer lease holder"):
+        store.save(dict(record), fence=d.token)
+    d.advance(store.load()["lease_token"])
+    store.save({**record, "status": "d"}, fence=d.token)
+    assert d.token == 4 and store.load()["status"] == "d"
+
+
+def test_a_runner_that_fails_to_open_releases_the_lease(tmp_path: Path):
+    import threading
+
+    from supervisor.orchestrator import LineageRunner, RunOptions
+    from tests.flowkit import FAST_POLICY
+
+    lineage_dir = tmp_path / "lineages" / "t"
+    lineage_dir.mkdir(parents=True)
+    (lineage_dir / "lineage.json").write_bytes(b"\x00not json")
+    runner = LineageRunner(
+        RunOptions(command=("true",), policy_path=str(FAST_POLICY), lineage="t", workdir=tmp_path)
+    )
+    with pytest.raises(LineageRecordError):
+        runner.open()
+    assert runner.lease.holder() is None
+    assert not any(t.name == "lease-keeper" and t.is_alive() for t in threading.enumerate())
 
 
 def test_status_of_a_damaged_record_is_a_user_error(tmp_path: Path):
@@ -182,17 +232,17 @@ def _run_argv(workdir: Path, policy: Path, *, lease_wait: float, ttl: float) -> 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_harness, tmp_path: Path):
-    """A sleeps 8 s between segments with a 1.5 s lease: B with no wait is refused with A's name, C waits for
+    """A sleeps 12 s between segments with a 4 s lease: B with no wait is refused with A's name, C waits for
     A to finish, and the lineage record shows no two segments running at once."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     policy = tmp_path / "policy.yaml"
-    policy.write_text(DELAY_POLICY.format(delay=8, restarts=1))
+    policy.write_text(DELAY_POLICY.format(delay=12, restarts=1))
     work = tmp_path / "work"
     lineage_dir = work / "lineages" / "held"
     first = subprocess.Popen(
-        _run_argv(work, policy, lease_wait=0, ttl=1.5),
+        _run_argv(work, policy, lease_wait=0, ttl=4),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -210,12 +260,12 @@ def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_ha
             assert first.poll() is None, first.communicate()[0]
             assert time.monotonic() < deadline, "A never finished its first segment"
             time.sleep(0.1)
-        time.sleep(3.0)  # 2x the TTL into the delay: the lease must still be A's
+        time.sleep(8.0)  # 2x the TTL into the delay: the lease must still be A's
         owner = json.loads((lineage_dir / "lease.json").read_text())["owner"]
 
         started = time.monotonic()
         second = subprocess.run(
-            _run_argv(work, policy, lease_wait=0, ttl=1.5),
+            _run_argv(work, policy, lease_wait=0, ttl=4),
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -229,7 +279,7 @@ def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_ha
         assert refused_in < 30  # refused before Prefect's flow machinery starts (no server start-up)
 
         waiter = subprocess.Popen(
-            _run_argv(work, policy, lease_wait=120, ttl=1.5),
+            _run_argv(work, policy, lease_wait=120, ttl=4),
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,

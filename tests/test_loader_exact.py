@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from supervisor.checkpoint.flatten import flatten
 from supervisor.data import LoaderError, ResumableLoader, StatefulLoaderState
+from supervisor.flatten import flatten
 from supervisor.runtime import Session
 from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 

@@ -104,25 +104,41 @@ def test_events_file_is_read_by_offset_and_survives_torn_and_bad_lines(tmp_path:
 
 
 def test_a_stale_segment_is_killed_only_if_its_pid_was_not_reused(tmp_path: Path):
+    import os
     import signal
     import socket
     import subprocess
     import sys
 
     from supervisor.orchestrator import _kill_stale, _process_started
+    from supervisor.runtime.plan import PLAN_ENV
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = {**os.environ, PLAN_ENV: str(tmp_path / "plan-0.json")}
+    child = subprocess.Popen(sleep, start_new_session=True, env=ours)
+    stranger = subprocess.Popen(sleep, start_new_session=True)  # same start time, not a segment of ours
     try:
         seg = {"index": 0, "pid": child.pid, "host": socket.gethostname()}
-        _kill_stale({**seg, "pid_started": _process_started(child.pid) - 100.0})  # the PID was reused
-        _kill_stale({**seg, "pid_started": None})  # a record that cannot tell
-        assert child.poll() is None
-        _kill_stale({**seg, "pid_started": _process_started(child.pid)})
+        _kill_stale(
+            {**seg, "pid_started": _process_started(child.pid) - 100.0}, tmp_path
+        )  # the PID was reused
+        _kill_stale(
+            {**seg, "pid_started": _process_started(child.pid)}, tmp_path / "elsewhere"
+        )  # another lineage
+        _kill_stale({**seg, "pid": stranger.pid, "pid_started": _process_started(stranger.pid)}, tmp_path)
+        assert child.poll() is None and stranger.poll() is None
+        _kill_stale({**seg, "pid_started": _process_started(child.pid) + 0.5}, tmp_path)  # boot-time jitter
         assert child.wait(10) == -signal.SIGKILL
+        again = subprocess.Popen(sleep, start_new_session=True, env=ours)
+        _kill_stale(
+            {**seg, "pid": again.pid, "pid_started": None}, tmp_path
+        )  # a record from before start times
+        assert again.wait(10) == -signal.SIGKILL
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        for proc in (child, stranger):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_failure_after_launch_never_leaks_the_training_process(tmp_path: Path):

@@ -25,6 +25,7 @@ from supervisor.checkpoint import CheckpointManager, CheckpointOptions, open_sto
 from supervisor.checkpoint.manifest import CKPT_PREFIX, MANIFEST, MARKER
 from supervisor.checkpoint.options import parse_id
 from supervisor.errors import CheckpointCorrupt
+from supervisor.lineage import Lease
 from tests.ckpt_scripts.tiny import Tiny
 from tests.conftest import REPO
 from tests.s3_server import POLICY_BUCKET, S3Server, s3_server  # noqa: F401  (module fixture)
@@ -115,7 +116,8 @@ def test_sigkill_then_resume_on_a_fresh_machine_from_s3(
     # The resume point came down from S3 into b's empty cache; the final checkpoint went up, whole.
     assert resume_from.id in {i.id for i in open_store(local_b / "checkpoints").list()}
     assert open_store(remote_store).verify(result["final_checkpoint"], "full") is None
-    assert not fsspec.filesystem("s3").exists(f"{durable}/lease.json")
+    assert Lease(durable).holder() is None  # released on S3 too (the record keeps only the token)
+    assert read_json(f"{durable}/lease.json")["token"] == rec["lease_token"]
     assert not (machine_a / "lineages").exists()
 
 

@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 from policies import History
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, open_store
+from supervisor.lineage import Lease
 from tests.conftest import REPO
 from tests.flowkit import (
     CHARLM,
@@ -374,7 +375,7 @@ def sigtermed(prefect_harness, tmp_path_factory) -> Terminated:
             step_at_signal=step_at_signal,
             emergency=newest(store),
             record_after_term=json.loads((lineage_dir / "lineage.json").read_text()),
-            lease_left=(lineage_dir / "lease.json").exists(),
+            lease_left=Lease(str(lineage_dir)).holder() is not None,  # a released lease keeps only its token
             segment_log=(lineage_dir / "segments" / "0.log").read_text(),
         )
         case.ref = reference_run(tmp_path_factory)

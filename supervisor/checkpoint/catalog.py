@@ -14,6 +14,7 @@ import fsspec
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
+from supervisor.checkpoint.lock import lock_probe
 from supervisor.checkpoint.manifest import (
     ABANDONED,
     BLOBS,
@@ -387,8 +388,6 @@ def open_store(directory_or_url: str | os.PathLike[str]) -> Catalog:
         if not isinstance(fs, LocalFileSystem):
             return Catalog(fs, root, tier="remote", url=target)
         target = root  # a file:// URL names a local directory: the same store, so the same writer lock
-    from supervisor.checkpoint.local import lock_probe
-
     catalog = Catalog(fsspec.filesystem("file"), os.path.abspath(target), tier="local", url=url)
     catalog.writer_lock = lock_probe(os.path.abspath(target))
     return catalog

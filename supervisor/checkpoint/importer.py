@@ -9,12 +9,12 @@ from typing import Any
 import torch
 
 from supervisor.checkpoint.dedup import DedupIndex
-from supervisor.checkpoint.flatten import flatten
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import git_commit, library_versions
 from supervisor.checkpoint.options import CheckpointInfo, make_id, parse_id
 from supervisor.checkpoint.writer import CheckpointMeta, write_checkpoint
 from supervisor.errors import CheckpointError
+from supervisor.flatten import flatten
 
 _STEP_KEYS = ("step", "global_step", "iter_num", "iteration")
 

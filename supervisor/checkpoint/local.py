@@ -8,24 +8,22 @@ without a whole marker never counts; open() deletes it, leftover temp dirs and b
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
 
 import fsspec
 
 from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.lock import take_lock
 from supervisor.checkpoint.manifest import ABANDONED, BLOBS, CKPT_PREFIX, MANIFEST, MARKER, marker_bytes
 from supervisor.checkpoint.paths import resolves_outside
 from supervisor.errors import CheckpointError
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 TMP = ".tmp"
-LOCK = ".lock"
 
 
 def fsync_dir(path: str) -> None:
@@ -49,42 +47,6 @@ def write_file(path: str, data: bytes, *, exclusive: bool = False) -> None:
         os.close(fd)
 
 
-def _take_lock(root: str) -> int:
-    fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            raise CheckpointError(
-                f"{root}: another writer (pid {holder}) holds the store lock {LOCK}; "
-                "close its CheckpointManager first"
-            ) from None
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    return fd
-
-
-def lock_probe(root: str):
-    """A context manager factory holding the writer lock of `root` (CheckpointError while a writer has it)."""
-
-    @contextlib.contextmanager
-    def hold() -> Iterator[None]:
-        if not os.path.isdir(root):
-            yield
-            return
-        fd = _take_lock(root)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
-    return hold
-
-
 def _remove(path: str) -> None:
     """Delete a directory tree, or only the link when `path` is a symlink (never what it points to)."""
     if os.path.islink(path):
@@ -103,7 +65,7 @@ class LocalStore:
         for sub in (BLOBS, TMP):  # the writer renames into them and deletes from them: they must be ours
             if why := resolves_outside(self.root, self.path(sub)):
                 raise CheckpointError(f"{self.path(sub)} is {why}; replace it with a directory")
-        self._lock_fd: int | None = _take_lock(self.root)
+        self._lock_fd: int | None = take_lock(self.root)
         self.catalog = Catalog(fsspec.filesystem("file"), self.root, tier="local")
         self.cleanup()
 
@@ -132,11 +94,22 @@ class LocalStore:
         return staged
 
     def commit(self, checkpoint_id: str, staged: str, manifest_raw: bytes, blobs: list[str]) -> str:
-        """Make `staged` checkpoint `checkpoint_id`, atomically; `blobs` are its new blob file names."""
+        """Make `staged` checkpoint `checkpoint_id`, atomically; `blobs` are its new blob file names.
+
+        Nothing that exists is ever replaced or removed: an existing checkpoint or blob of the same name refuses
+        the commit before anything moves. A failure before the marker is written undoes what this commit
+        moved (a full disk: left there, it would hold its space until open()); once the marker is written the
+        checkpoint is committed and readers may have seen it, so a later failure (the final directory fsync)
+        leaves it in place.
+        """
         final = self.path(CKPT_PREFIX + checkpoint_id)
-        # Undone if the commit fails (a full disk): left there, they would hold its space until open().
+        if os.path.lexists(final):
+            raise CheckpointError(f"{final} already exists; checkpoint ids must be unique")
+        for blob in blobs:
+            if os.path.lexists(self.path(blob)):
+                raise CheckpointError(f"{self.path(blob)} already exists; blob names must be unique")
         moved: list[str] = []
-        renamed = False
+        renamed = marked = False
         try:
             write_file(os.path.join(staged, MANIFEST), manifest_raw)
             fsync_dir(staged)
@@ -145,19 +118,19 @@ class LocalStore:
                 moved.append(blob)
             if blobs:
                 fsync_dir(self.path(BLOBS))
-            if os.path.exists(final):
-                raise CheckpointError(f"{final} already exists; checkpoint ids must be unique")
             os.rename(staged, final)
             renamed = True
             fsync_dir(self.root)
             write_file(os.path.join(final, MARKER), marker_bytes(manifest_raw, checkpoint_id), exclusive=True)
+            marked = True
             fsync_dir(final)
         except BaseException:
-            with contextlib.suppress(OSError):  # best effort on a failing disk; open() removes what stays
-                if renamed:
-                    self.delete(checkpoint_id)
-                for blob in moved:
-                    os.remove(self.path(blob))
+            if not marked:
+                with contextlib.suppress(OSError):  # best effort on a failing disk; open() removes what stays
+                    if renamed:
+                        self.delete(checkpoint_id)
+                    for blob in moved:
+                        os.remove(self.path(blob))
             raise
         return final
 

@@ -16,7 +16,6 @@ import torch
 
 from supervisor.checkpoint.catalog import best_of
 from supervisor.checkpoint.dedup import DedupIndex
-from supervisor.checkpoint.flatten import child_path, flatten
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import (
     ABANDONED,
@@ -34,6 +33,7 @@ from supervisor.checkpoint.retention import apply_retention, policy_from_setting
 from supervisor.checkpoint.tiers import Tiers
 from supervisor.checkpoint.writer import CheckpointMeta, host_tensors, write_checkpoint
 from supervisor.errors import BackgroundSaveError, CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from supervisor.flatten import child_path, flatten
 
 if TYPE_CHECKING:
     from supervisor.state import TrainingState

@@ -14,11 +14,11 @@ from supervisor.checkpoint.blobs import DTYPES, BlobEntry, BlobReader, digest_st
 from supervisor.checkpoint.boundedjson import loads_bounded
 from supervisor.checkpoint.catalog import Catalog, header_disagreement
 from supervisor.checkpoint.fastcopy import THREADS, copy_tensors
-from supervisor.checkpoint.flatten import matches, tensor_paths, unflatten
 from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE, Manifest, TensorRef
 from supervisor.checkpoint.memory import Snapshot
 from supervisor.checkpoint.paths import LeavesStore
 from supervisor.errors import CheckpointCorrupt
+from supervisor.flatten import matches, tensor_paths, unflatten
 
 if TYPE_CHECKING:
     from supervisor.state import TrainingState

@@ -26,10 +26,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from supervisor.checkpoint.catalog import open_store
-from supervisor.checkpoint.flatten import flatten, unflatten
 from supervisor.checkpoint.options import CheckpointInfo
 from supervisor.checkpoint.restore import restore_local
 from supervisor.errors import CheckpointError, UserError
+from supervisor.flatten import flatten, unflatten
 
 if TYPE_CHECKING:
     from supervisor.state import TrainingState

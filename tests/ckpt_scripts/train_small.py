@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
-from supervisor.checkpoint.flatten import flatten
 from supervisor.data import ResumableLoader
+from supervisor.flatten import flatten
 from supervisor.state import TrainingState
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from supervisor.checkpoint.blobs import DTYPE_NAMES
+from supervisor.dtypes import DTYPE_NAMES
 from supervisor.errors import UnsupportedStateError
 
 __all__ = [
