@@ -402,7 +402,10 @@ def test_sigterm_writes_emergency_checkpoint_where_training_was(sigtermed: Termi
     # The emergency checkpoint is at the step the training had reached, not a cadence checkpoint.
     assert sigtermed.emergency.step == seg["last_step"]
     assert sigtermed.emergency.step >= sigtermed.step_at_signal > KILL_AFTER_STEP
-    assert sigtermed.emergency.step % 20 != 0
+    # Off the 20-step cadence, unless a loaded machine let training reach its last step (60) before the signal
+    # arrived (measured here: 2-6 steps after the signal idle, 17 once in CI); the log line above still shows
+    # it was the emergency path that wrote it.
+    assert sigtermed.emergency.step % 20 != 0 or sigtermed.emergency.step == STEPS
 
 
 def test_sigterm_resumes_from_emergency_checkpoint_bit_identical(sigtermed: Terminated):
