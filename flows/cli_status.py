@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from supervisor.report.timeline import (
     summary_line,
     timeline_rows,
 )
+from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
 
 STATUS_STYLES = {"finished": "green", "stopped": "green", "running": "cyan", "failed": "bold red"}
 #: The policy's checkpoint.storage when the record does not say (the schema's default).
@@ -101,18 +101,14 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _read_bounded(path: Path) -> bytes:
-    # O_NONBLOCK: a FIFO planted as lineage.json must not hang `status`; it changes nothing for a regular file.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StatusError(f"lineage record {path} is not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            raw = fh.read(MAX_RECORD_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_RECORD_BYTES:
-        raise StatusError(f"lineage record {path} is over {MAX_RECORD_BYTES >> 20} MiB; it is damaged")
-    return raw
+        return read_small_file(path, MAX_RECORD_BYTES)  # a FIFO planted as lineage.json must not hang status
+    except NotRegularFile:
+        raise StatusError(f"lineage record {path} is not a regular file") from None
+    except FileTooLarge:
+        raise StatusError(
+            f"lineage record {path} is over {MAX_RECORD_BYTES >> 20} MiB; it is damaged"
+        ) from None
 
 
 _OBJECT_OR_NULL = (dict, type(None))

@@ -8,13 +8,12 @@ The limits are checked on the parser's event stream, before any node or Python o
 from __future__ import annotations
 
 import json
-import os
-import stat
 from typing import Any
 
 import yaml
 
 from supervisor.errors import PolicyError
+from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
 
 #: Largest policy file read; the shipped presets are 1-3 KB.
 MAX_BYTES = 1 << 20
@@ -29,33 +28,17 @@ MAX_NODES = 50_000
 # libyaml parses ~20x faster than the pure-Python parser; both build the same nodes with the same marks.
 _FastLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # type: ignore[assignment]
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
 
 def read_policy_text(name: str) -> str:
     """The text of a policy file; PolicyError for anything but a readable regular UTF-8 file of at most MAX_BYTES."""
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer; it changes nothing for a regular file.
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_small_file(name, MAX_BYTES)
+    except NotRegularFile as exc:
+        raise PolicyError([f"{name}: expected a policy file, got {exc.kind}: not a regular file"]) from None
+    except FileTooLarge as exc:
+        raise PolicyError([_too_big(name, exc.size)]) from None
     except OSError as exc:
         raise PolicyError([f"{name}: expected a readable policy file, got {exc.strerror or exc}"]) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((word for test, word in _KINDS if test(st.st_mode)), "a special file")
-            raise PolicyError([f"{name}: expected a policy file, got {kind}: not a regular file"])
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_BYTES + 1)  # the size may have grown since fstat
-    finally:
-        os.close(fd)
-    if max(st.st_size, len(data)) > MAX_BYTES:
-        raise PolicyError([_too_big(name, max(st.st_size, len(data)))])
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -31,6 +31,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from supervisor.errors import LeaseHeldError, UserError
+from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
 
 log = logging.getLogger("rollback_supervisor.lineage")
 
@@ -69,10 +70,15 @@ class LineageStore:
     def load(self) -> dict[str, Any] | None:
         """The record, or None if there is none; a damaged record raises LineageRecordError."""
         try:
-            with self.fs.open(self.record_path, "rb") as fh:
-                raw = fh.read(MAX_RECORD_BYTES + 1)
+            if "file" in _protocols(self.fs):  # a FIFO planted as lineage.json must not hang the supervisor
+                raw = read_small_file(self.record_path, MAX_RECORD_BYTES)
+            else:
+                with self.fs.open(self.record_path, "rb") as fh:
+                    raw = fh.read(MAX_RECORD_BYTES + 1)
         except FileNotFoundError:
             return None
+        except (NotRegularFile, FileTooLarge) as exc:
+            raise LineageRecordError(f"lineage record {exc}; it is damaged") from None
         return parse_record(raw, self.record_path)
 
     def save(self, record: dict[str, Any], fence: int | None = None) -> None:

@@ -139,6 +139,12 @@ def test_status_of_a_damaged_record_is_a_user_error(tmp_path: Path):
     assert isinstance(info.value, UserError) and info.value.exit_code == 2
 
 
+def test_a_fifo_planted_as_the_record_is_refused_without_waiting(tmp_path: Path):
+    os.mkfifo(tmp_path / "lineage.json")  # no writer: a plain open would wait forever
+    with pytest.raises(LineageRecordError, match="is a FIFO, not a regular file"):
+        LineageStore(str(tmp_path)).load()
+
+
 VALID_RECORD = json.dumps(
     {
         "lineage": "x",

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import posixpath
-import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +31,7 @@ from supervisor.checkpoint.paths import LeavesStore, name_leaves, resolves_outsi
 from supervisor.checkpoint.retention import Policy, RetentionResult, apply_retention
 from supervisor.checkpoint.safetensors_header import HeaderEntry, header_length, parse_header
 from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 _CHUNK = 1 << 24
@@ -76,18 +76,14 @@ class Catalog:
     def read(self, rel: str, limit: int = MAX_JSON) -> bytes:
         """A whole small file of the store, at most `limit` bytes; OSError if absent, ValueError if refused."""
         path = self.confined(rel)
-        if not self.on_disk:
-            raw = self.fs.cat_file(path, start=0, end=limit + 1)
-        else:
-            # O_NONBLOCK: a FIFO planted in the store must not hang a reader; it is refused below.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.on_disk:  # a FIFO planted in the store must not hang a reader
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ValueError(f"{rel} is not a regular file")
-                with open(fd, "rb", closefd=False) as fh:
-                    raw = fh.read(limit + 1)
-            finally:
-                os.close(fd)
+                return read_small_file(path, limit)
+            except NotRegularFile:
+                raise ValueError(f"{rel} is not a regular file") from None
+            except FileTooLarge:
+                raise ValueError(f"{rel} is over {limit} bytes, more than this store ever writes") from None
+        raw = self.fs.cat_file(path, start=0, end=limit + 1)
         if len(raw) > limit:
             raise ValueError(f"{rel} is over {limit} bytes, more than this store ever writes")
         return raw
