@@ -35,8 +35,21 @@ def in_process(workdir: Path, example: Example, reps: int) -> dict[str, Any]:
     """One training process with `reps` injected anomalies, each rolled back in process."""
     out = workdir / "inprocess.json"
     run_id = _create_run(workdir)
-    cmd = [sys.executable, "-m", "benchmarks.rollback_child", "inprocess", "--workdir", str(workdir),
-           "--anomalies", str(reps), "--out", str(out), "--run-id", run_id, *example.options()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.rollback_child",
+        "inprocess",
+        "--workdir",
+        str(workdir),
+        "--anomalies",
+        str(reps),
+        "--out",
+        str(out),
+        "--run-id",
+        run_id,
+        *example.options(),
+    ]
     _child(cmd, workdir / "inprocess.log", child_env(), "the in-process run")
     result = json.loads(out.read_text())
     _ship(workdir / "plan.json", [a["target_step"] for a in result["anomalies"]])
@@ -60,8 +73,16 @@ def relaunch(workdir: Path, inproc: dict[str, Any], example: Example, i: int) ->
 
     plan = write_plan(workdir, run_id=inproc["run_id"], checkpoint_id=inproc["checkpoint_id"])
     out = workdir / f"relaunch-{i}.json"
-    cmd = [sys.executable, "-m", "benchmarks.rollback_child", "relaunch", "--out", str(out), "--",
-           *example.charlm_args()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.rollback_child",
+        "relaunch",
+        "--out",
+        str(out),
+        "--",
+        *example.charlm_args(),
+    ]
     started = time.time()
     _child(cmd, workdir / "relaunch.log", child_env(**{PLAN_ENV: str(plan)}), "the relaunched example")
     m = json.loads(out.read_text())
@@ -101,8 +122,16 @@ def _ship(plan_path: Path, restored_steps: list[int]) -> None:
 def naive(workdir: Path, inproc: dict[str, Any], example: Example, i: int) -> dict[str, Any]:
     """A plain script that torch.loads the same state and takes one step; its timings."""
     out = workdir / f"naive-{i}.json"
-    cmd = [sys.executable, "-m", "benchmarks.naive_restart", "--state", inproc["naive_path"], "--out", str(out),
-           *example.options()]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.naive_restart",
+        "--state",
+        inproc["naive_path"],
+        "--out",
+        str(out),
+        *example.options(),
+    ]
     started = time.time()
     _child(cmd, workdir / "naive.log", child_env(), "the naive restart")
     timings = json.loads(out.read_text())
@@ -135,8 +164,17 @@ def run(
         relaunches.append(relaunch(workdir, inproc, example, i))
         say(f"naive restart {i + 1}/{reps}")
         naives.append(naive(workdir, inproc, example, i))
-    return summarize(inproc, relaunches, naives, size=size, reps=reps, batch_size=batch_size,
-                     threads=threads, load_start=load_start, device=device)  # fmt: skip
+    return summarize(
+        inproc,
+        relaunches,
+        naives,
+        size=size,
+        reps=reps,
+        batch_size=batch_size,
+        threads=threads,
+        load_start=load_start,
+        device=device,
+    )
 
 
 def summarize(
@@ -148,10 +186,16 @@ def summarize(
     def med(rows: list[dict[str, Any]], key: str) -> float | None:
         return median([r[key] for r in rows])
 
-    full = {"in_process_s": med(anomalies, "total_s"), "relaunch_s": med(relaunches, "total_s"),
-            "naive_restart_s": med(naives, "total_s")}  # fmt: skip
-    ready = {"in_process_s": med(anomalies, "handler_s"), "relaunch_s": med(relaunches, "ready_s"),
-             "naive_restart_s": med(naives, "ready_s")}  # fmt: skip
+    full = {
+        "in_process_s": med(anomalies, "total_s"),
+        "relaunch_s": med(relaunches, "total_s"),
+        "naive_restart_s": med(naives, "total_s"),
+    }
+    ready = {
+        "in_process_s": med(anomalies, "handler_s"),
+        "relaunch_s": med(relaunches, "ready_s"),
+        "naive_restart_s": med(naives, "ready_s"),
+    }
     targets = {}
     for suffix, values in (("", full), (" (step excluded)", ready)):
         for key, goal in TARGETS.items():

@@ -11,7 +11,7 @@ from policies.engine import decide
 from policies.history import History, HistoryEntry, HistoryError
 from policies.loader import load_policy, parse_policy
 from policies.records import CheckpointRecord
-from policies.reference import reference_markdown
+from policies.reference_doc import reference_markdown
 from policies.schema import Policy
 from policies.selectors import before, best, best_before, custom, latest
 from supervisor.errors import PolicyError

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from policies import json_schema_text, load_policy, reference_markdown
-from policies.explain import explain as explain_policy
+from policies.summary import summarize
 from supervisor.errors import PolicyError
 
 app = typer.Typer(help="Validate, explain and export the schema of rollback policies.", no_args_is_help=True)
@@ -41,7 +41,7 @@ def schema() -> None:
 @app.command()
 def explain(file: Path = typer.Argument(..., help="Policy YAML file.", show_default=False)) -> None:
     """Say in plain words what the policy does on each event type."""
-    typer.echo(explain_policy(load_policy(file)), nl=False)
+    typer.echo(summarize(load_policy(file)), nl=False)
 
 
 @app.command()

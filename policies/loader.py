@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from policies.base import PROBLEM
-from policies.describe import describe, model_keys, union_members
 from policies.monitor_schema import DETECTOR_TYPES
 from policies.schema import Policy
 from policies.targets import BUILTIN_SELECTORS, TARGET_SELECT_ERROR
+from policies.type_words import describe, model_keys, union_members
 from policies.yaml_guard import (
     FastSafeLoader,
     SafeLoader,
@@ -62,6 +63,29 @@ def parse_policy(text: str, filename: str = "<string>") -> Policy:
     if problems:
         raise PolicyError(_listing(problems, total, filename))
     return policy
+
+
+def check_section(tp: Any, data: Any, where: str) -> Any:
+    """Validate data built in code (not read from a file) against a schema type such as `list[DetectorSpec]`.
+
+    Problems are worded as a policy file's are, located by `where` and the key path instead of a line:
+    `detectors[0].window: expected an integer >= 2, got 0`.
+    """
+    try:
+        return _adapter(tp).validate_python(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    lines = [_section_problem(err, tp, where) for err in errors[:MAX_PROBLEMS]]
+    if len(errors) > MAX_PROBLEMS:
+        lines.append(
+            f"{where}: {len(errors) - MAX_PROBLEMS} more problem(s) not shown; fix the ones above first"
+        )
+    raise PolicyError(lines)
+
+
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(tp)
 
 
 def _listing(problems: list[Problem], total: int, filename: str) -> list[str]:
@@ -186,7 +210,7 @@ class _Spot:
     """Where a pydantic error location lands: the shown path, YAML node and schema type."""
 
     path: str
-    node: yaml.Node
+    node: yaml.Node | None
     key_node: yaml.Node | None
     tp: Any
     metadata: list[Any]
@@ -195,8 +219,9 @@ class _Spot:
     found: bool
 
 
-def _walk(loc: list[Any], root: yaml.Node, index: _Index) -> _Spot:
-    spot = _Spot("", root, None, Policy, [], None, None, True)
+def _walk(loc: list[Any], root: yaml.Node | None, index: _Index, start: Any = Policy) -> _Spot:
+    """Follow a pydantic error location through the schema from `start`, and through the YAML from `root`."""
+    spot = _Spot("", root, None, start, [], None, None, root is not None)
     for part in loc:
         members, _ = union_members(spot.tp)
         if len(members) > 1:
@@ -240,13 +265,9 @@ def _suggest(word: Any, options: list[str]) -> str:
 def _expected(spot: _Spot) -> str:
     if spot.tp is None:
         return "a valid value"
-    if spot.path == "":
+    if spot.path == "" and spot.tp is Policy:
         return "a policy mapping (version, name, checkpoint, monitor, rules, limits)"
     return describe(spot.tp, spot.metadata, spot.examples)
-
-
-def _got(spot: _Spot, value: Any) -> str:
-    return _MISSING if not spot.found else brief(value)
 
 
 def _as_written(node: yaml.Node, text: str, value: Any) -> str:
@@ -260,12 +281,26 @@ def _as_written(node: yaml.Node, text: str, value: Any) -> str:
 
 
 def _locate(err: Any, root: yaml.Node, filename: str, text: str, index: _Index) -> Problem:
+    spot, node, message = _explain(err, root, index, text, Policy)
+    return _at(filename, node, spot.path, message)
+
+
+def _section_problem(err: Any, tp: Any, where: str) -> str:
+    spot, _, message = _explain(err, None, {}, "", tp)
+    path = spot.path if not spot.path or spot.path.startswith("[") else f".{spot.path}"
+    return f"{where}{path}: {message}"
+
+
+def _explain(
+    err: Any, root: yaml.Node | None, index: _Index, text: str, start: Any
+) -> tuple[_Spot, Any, str]:
+    """(where the error is, the node to point at, `expected ..., got ...`); without `root`, values are shown as data."""
     loc, kind, ctx, value = list(err["loc"]), err["type"], err.get("ctx") or {}, err.get("input")
     if kind == PROBLEM:
         at = [int(p) if p.isdigit() else p for p in ctx["at"].split(".") if p]
-        spot = _walk(loc + at, root, index)
+        spot = _walk(loc + at, root, index, start)
         got = _as_written(spot.node, text, None) if ctx["as_written"] and spot.found else ctx["got"]
-        return _at(filename, spot.node, spot.path, f"expected {ctx['expected']}, got {got}")
+        return spot, spot.node, f"expected {ctx['expected']}, got {got}"
     if kind in (TARGET_SELECT_ERROR, "union_tag_invalid", "union_tag_not_found"):
         key, expected, options = (
             ("select", _SELECT_EXPECTED, list(BUILTIN_SELECTORS))
@@ -273,32 +308,21 @@ def _locate(err: Any, root: yaml.Node, filename: str, text: str, index: _Index) 
             else ("type", _TYPE_EXPECTED, list(DETECTOR_TYPES))
         )
         if not isinstance(value, dict):
-            spot = _walk(loc, root, index)
-            return _at(
-                filename,
-                spot.node,
-                spot.path,
-                f"expected a mapping like {{{key}: {options[0]}}}, got {brief(value)}",
-            )
-        spot = _walk(loc + [key], root, index)
-        got = _got(spot, value.get(key))
-        return _at(
-            filename,
-            spot.node,
-            spot.path,
-            f"expected {expected}, got {got}{_suggest(value.get(key), options)}",
-        )
+            spot = _walk(loc, root, index, start)
+            return spot, spot.node, f"expected a mapping like {{{key}: {options[0]}}}, got {brief(value)}"
+        spot = _walk(loc + [key], root, index, start)
+        present = spot.found if root is not None else key in value
+        got = brief(value.get(key)) if present else _MISSING
+        return spot, spot.node, f"expected {expected}, got {got}{_suggest(value.get(key), options)}"
     if kind == "extra_forbidden":
-        spot = _walk(loc, root, index)
+        spot = _walk(loc, root, index, start)
         known = list(model_keys(spot.parent)) if spot.parent else []
         hint = _suggest(loc[-1], known) or (f" (known keys: {', '.join(known)})" if known else "")
         node = spot.key_node or spot.node
-        return _at(
-            filename, node, spot.path, f"expected a known key, got unknown key {brief(str(loc[-1]))}{hint}"
-        )
-    spot = _walk(loc, root, index)
+        return spot, node, f"expected a known key, got unknown key {brief(str(loc[-1]))}{hint}"
+    spot = _walk(loc, root, index, start)
     if kind == "missing":
-        return _at(filename, spot.node, spot.path, f"expected {_expected(spot)}, got {_MISSING}")
+        return spot, spot.node, f"expected {_expected(spot)}, got {_MISSING}"
     hint = ""
     if kind == "literal_error" and spot.tp is not None:
         members, _ = union_members(spot.tp)
@@ -306,5 +330,5 @@ def _locate(err: Any, root: yaml.Node, filename: str, text: str, index: _Index) 
             hint = _suggest(value, [str(v) for v in get_args(members[0])])
     got = _as_written(spot.node, text, value) if spot.found else brief(value)
     if spot.tp is None:
-        return _at(filename, spot.node, spot.path, f"expected {err['msg'].lower()}, got {got}")
-    return _at(filename, spot.node, spot.path, f"expected {_expected(spot)}, got {got}{hint}")
+        return spot, spot.node, f"expected {err['msg'].lower()}, got {got}"
+    return spot, spot.node, f"expected {_expected(spot)}, got {got}{hint}"

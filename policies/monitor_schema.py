@@ -120,10 +120,9 @@ class HangSpec(Spec):
     )
 
 
-DetectorSpec = Annotated[
-    NonFiniteSpec | SpikeSpec | DivergenceSpec | ThresholdSpec | PlateauSpec | HangSpec,
-    Field(discriminator="type"),
-]
+#: Any one detector's settings; each field's default and bounds are defined here and nowhere else.
+AnyDetectorSpec = NonFiniteSpec | SpikeSpec | DivergenceSpec | ThresholdSpec | PlateauSpec | HangSpec
+DetectorSpec = Annotated[AnyDetectorSpec, Field(discriminator="type")]
 DETECTOR_SPECS: tuple[type[Spec], ...] = (
     NonFiniteSpec,
     SpikeSpec,

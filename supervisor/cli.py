@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from types import ModuleType
 
 import typer
 
@@ -36,39 +37,42 @@ def _root(
     """Supervise training runs and roll back with full state."""
 
 
-def _mount(parent: typer.Typer, name: str, module: str) -> None:
-    """Mount `module.app` as `name`; a sub-command whose module is not built yet is simply absent."""
+def _import(module: str) -> ModuleType | None:
+    """The module, or None when it is not built yet (then its sub-command is simply absent)."""
     try:
-        mod = importlib.import_module(module)
+        return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and (module == exc.name or module.startswith(exc.name + ".")):
-            return
+            return None
         raise
-    parent.add_typer(mod.app, name=name)
+
+
+def _mount(parent: typer.Typer, name: str, module: str) -> None:
+    """Mount `module.app` as the sub-command group `name`."""
+    mod = _import(module)
+    if mod is not None:
+        parent.add_typer(mod.app, name=name)
+
+
+def _command(name: str, module: str) -> None:
+    """Mount `module.command` as the command `name`; it parses its own arguments."""
+    mod = _import(module)
+    if mod is not None:
+        settings = {"allow_extra_args": True, "ignore_unknown_options": True}
+        app.command(name, context_settings=settings)(mod.command)
 
 
 _mount(app, "policy", "policies.cli")
 _mount(app, "checkpoints", "supervisor.checkpoint.cli")
-_mount(bench_app, "checkpoint", "supervisor.checkpoint.bench")
-_mount(bench_app, "monitor", "supervisor.monitor.bench")
+_mount(bench_app, "checkpoint", "benchmarks.bench_checkpoint")
+_mount(bench_app, "monitor", "benchmarks.bench_monitor")
 _mount(bench_app, "rollback", "benchmarks.bench_rollback")
 _mount(bench_app, "goodput", "benchmarks.bench_goodput")
 _mount(bench_app, "chaos", "benchmarks.bench_chaos")
 app.add_typer(bench_app, name="bench")
-for _name, _module in (
-    ("run", "flows.cli_run"),
-    ("status", "flows.cli_status"),
-    ("drill", "supervisor.drill"),
-):
-    try:
-        _mod = importlib.import_module(_module)
-    except ModuleNotFoundError as _exc:
-        if not _exc.name or not (_module == _exc.name or _module.startswith(_exc.name + ".")):
-            raise
-        continue
-    app.command(_name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
-        _mod.command
-    )
+_command("run", "flows.cli_run")
+_command("status", "flows.cli_status")
+_command("drill", "supervisor.drill")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,11 +24,26 @@ def main() -> int:
     print(f"demo: injecting faults {FAULTS}", flush=True)
     from supervisor.cli import main as cli
 
-    code = cli([
-        "run", "--policy", str(REPO / "policies" / "presets" / "palm-spike.yaml"), "--lineage", "charlm-demo",
-        "--workdir", str(workdir), "--stop-grace", "20",
-        "--", "python", str(REPO / "examples" / "charlm.py"), "--steps", str(STEPS), "--eval-every", "50",
-    ])  # fmt: skip
+    code = cli(
+        [
+            "run",
+            "--policy",
+            str(REPO / "policies" / "presets" / "palm-spike.yaml"),
+            "--lineage",
+            "charlm-demo",
+            "--workdir",
+            str(workdir),
+            "--stop-grace",
+            "20",
+            "--",
+            "python",
+            str(REPO / "examples" / "charlm.py"),
+            "--steps",
+            str(STEPS),
+            "--eval-every",
+            "50",
+        ]
+    )
     print(f"demo: lineage record  {workdir / 'lineages' / 'charlm-demo' / 'lineage.json'}")
     print(f"demo: status          rollback-supervisor status --workdir {workdir}")
     print(f"demo: MLflow UI       mlflow ui --backend-store-uri sqlite:///{workdir / 'mlflow.db'}")

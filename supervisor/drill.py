@@ -126,7 +126,12 @@ def print_verdicts(verdicts: list[Verdict], result: dict[str, Any]) -> None:
         table.add_column(col)
     for v in verdicts:
         table.add_row(
-            v.fault.key, v.expected, v.seen or "-", v.action or "-", v.wanted_action,
-            "yes" if v.recovered else "no", Text("PASS", style="green") if v.passed else Text("FAIL", style="red"),
-        )  # fmt: skip
+            v.fault.key,
+            v.expected,
+            v.seen or "-",
+            v.action or "-",
+            v.wanted_action,
+            "yes" if v.recovered else "no",
+            Text("PASS", style="green") if v.passed else Text("FAIL", style="red"),
+        )
     Console().print(table)

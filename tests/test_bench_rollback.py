@@ -27,15 +27,30 @@ INPROC = {
     "checkpoint_id": "0000000006-000003",
 }
 NAIVE = [
-    {"total_s": t, "ready_s": t - 1, "interpreter_s": 0.1, "import_s": 3.0, "build_s": 1.0, "load_s": 1.0,
-     "step_s": 1.0}
+    {
+        "total_s": t,
+        "ready_s": t - 1,
+        "interpreter_s": 0.1,
+        "import_s": 3.0,
+        "build_s": 1.0,
+        "load_s": 1.0,
+        "step_s": 1.0,
+    }
     for t in (10.0, 12.0, 11.0)
-]  # fmt: skip
+]
 RELAUNCH = [
-    {"total_s": t, "ready_s": t - 2, "interpreter_s": 0.1, "import_s": 6.0, "build_s": 1.0, "session_s": 2.0,
-     "restore_s": 0.2, "step_s": 2.0}
+    {
+        "total_s": t,
+        "ready_s": t - 2,
+        "interpreter_s": 0.1,
+        "import_s": 6.0,
+        "build_s": 1.0,
+        "session_s": 2.0,
+        "restore_s": 0.2,
+        "step_s": 2.0,
+    }
     for t in (9.0, 13.0, 12.0)
-]  # fmt: skip
+]
 
 
 def test_summary_reports_medians_and_both_ratios():
@@ -103,8 +118,21 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert json.loads(proc.stdout) == result
-    keys = {"in_process_s", "relaunch_s", "naive_restart_s", "step_s", "step_included", "excluding_step",
-            "in_process", "relaunch", "naive_restart", "targets", "machine", "params", "state_bytes"}  # fmt: skip
+    keys = {
+        "in_process_s",
+        "relaunch_s",
+        "naive_restart_s",
+        "step_s",
+        "step_included",
+        "excluding_step",
+        "in_process",
+        "relaunch",
+        "naive_restart",
+        "targets",
+        "machine",
+        "params",
+        "state_bytes",
+    }
     assert keys <= result.keys()
     assert set(result["targets"]) == {
         "in_process_s/naive_restart_s",

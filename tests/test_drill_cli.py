@@ -32,8 +32,25 @@ def _lineage_record(workdir: Path) -> dict:
 
 def test_drill_passes_each_fault_of_a_mix_on_the_example(prefect_harness, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    argv = ["drill", "--policy", str(FAST_POLICY), "--faults", "nan@45,kill@55,hw@65", "--workdir", str(tmp_path),
-            "--stop-grace", "10", "--", "python", CHARLM, "--steps", "75", "--eval-every", "20", *SMALL]  # fmt: skip
+    argv = [
+        "drill",
+        "--policy",
+        str(FAST_POLICY),
+        "--faults",
+        "nan@45,kill@55,hw@65",
+        "--workdir",
+        str(tmp_path),
+        "--stop-grace",
+        "10",
+        "--",
+        "python",
+        CHARLM,
+        "--steps",
+        "75",
+        "--eval-every",
+        "20",
+        *SMALL,
+    ]
     code = main(argv)
     out = capsys.readouterr().out
     rows = _table_rows(out)
@@ -59,8 +76,18 @@ def test_drill_fails_a_script_that_never_lets_faults_fire(prefect_harness, tmp_p
     monkeypatch.setenv("COLUMNS", "200")
     script = tmp_path / "plain.py"
     script.write_text("for step in range(1, 51):\n    print('step', step, flush=True)\n")
-    argv = ["drill", "--policy", str(FAST_POLICY), "--faults", "spike@10,term@20", "--workdir", str(tmp_path / "w"),
-            "--", sys.executable, str(script)]  # fmt: skip
+    argv = [
+        "drill",
+        "--policy",
+        str(FAST_POLICY),
+        "--faults",
+        "spike@10,term@20",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--",
+        sys.executable,
+        str(script),
+    ]
     code = main(argv)
     out = capsys.readouterr().out
     rows = _table_rows(out)

@@ -30,7 +30,6 @@ LAYERS: list[tuple[str, ...]] = [
     # Commands: each mounts a package's verbs on the CLI and may use anything below.
     (
         "supervisor.cli", "supervisor.demo", "supervisor.drill", "supervisor.checkpoint.cli",
-        "supervisor.checkpoint.bench", "supervisor.monitor.bench",
     ),
 ]  # fmt: skip
 

@@ -242,31 +242,35 @@ def test_reset_segment_warms_up_on_history_without_reporting():
     assert [(e.type, e.onset_step) for e in event] == [("spike", 300)]
 
 
+# A mapping is checked by the policy schema itself (policies/monitor_schema.py), so the words match a policy file's.
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         ({"type": "spiky", "metric": "loss"}, "detectors[0].type: expected one of non_finite"),
-        ({"type": "spike", "metric": "loss", "sigma": 6}, "unknown key(s) sigma"),
+        ({"type": "spike", "metric": "loss", "sigma": 6}, 'got unknown key "sigma" (did you mean "sigmas"?)'),
         (
             {"type": "spike", "metric": "loss", "window": 0},
-            "detectors[0].window: expected a value >= 2, got 0",
+            "detectors[0].window: expected an integer >= 2, got 0",
         ),
         (
             {"type": "spike", "metric": "loss", "window": 8, "min_history": 9},
-            "min_history: expected at most window",
+            "min_history: expected an integer <= window (8), got 9",
         ),
-        ({"type": "spike", "metric": "loss", "sigmas": "six"}, "sigmas: expected a number > 0, got 'six'"),
-        ({"type": "divergence", "metric": "loss", "factor": 1.0}, "factor: expected a value > 1"),
-        ({"type": "threshold", "metric": "x"}, "expected 'above' or 'below'"),
+        ({"type": "spike", "metric": "loss", "sigmas": "six"}, 'sigmas: expected a number > 0, got "six"'),
+        ({"type": "divergence", "metric": "loss", "factor": 1.0}, "factor: expected a number > 1"),
+        ({"type": "threshold", "metric": "x"}, "expected at least one of above or below, got neither"),
         (
             {"type": "threshold", "metric": "x", "above": "high"},
-            "detectors[0].above: expected a number, got 'high'",
+            'detectors[0].above: expected a number or null, got "high"',
         ),
-        ({"type": "threshold", "metric": "x", "above": 1, "below": 2}, "below: expected <= above"),
-        ({"type": "plateau", "metric": "x", "mode": "up"}, "mode: expected 'min' or 'max', got 'up'"),
+        (
+            {"type": "threshold", "metric": "x", "above": 1, "below": 2},
+            "below: expected a number < above (1)",
+        ),
+        ({"type": "plateau", "metric": "x", "mode": "up"}, 'mode: expected one of min, max, got "up"'),
         ({"type": "non_finite", "metrics": []}, "metrics: expected a non-empty list"),
-        ({"type": "hang", "seconds": -1}, "seconds: expected a value > 0"),
-        ({"type": "spike"}, "metric: expected a metric name, got None"),
+        ({"type": "hang", "seconds": -1}, "seconds: expected a number > 0"),
+        ({"type": "threshold", "above": 1}, "metric: expected a non-empty string, got nothing"),
         ("spike", "expected a mapping"),
     ],
 )

@@ -51,8 +51,14 @@ def test_gcp_preempted_flag(metadata):
 
 def test_azure_scheduled_events(metadata):
     assert poll_notice("azure", metadata.url) is None
-    freeze = {"EventId": "A1", "EventType": "Freeze", "ResourceType": "VirtualMachine", "Resources": ["vm1"],
-              "EventStatus": "Scheduled", "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"}  # fmt: skip
+    freeze = {
+        "EventId": "A1",
+        "EventType": "Freeze",
+        "ResourceType": "VirtualMachine",
+        "Resources": ["vm1"],
+        "EventStatus": "Scheduled",
+        "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT",
+    }
     metadata.state.azure_events = [freeze]
     assert poll_notice("azure", metadata.url) is None  # a freeze is not an eviction
     preempt = {

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ValidationError
 
 import policies
 from policies import PRESETS_DIR, SCHEMA_FILE, Policy, PolicyError, load_preset, parse_policy
-from policies.describe import model_keys
-from policies.reference import _sections
+from policies.reference_doc import _sections
+from policies.type_words import model_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -307,7 +307,7 @@ _LOOP_TAIL = "for up to 1 recurrence; the next recurrence fails the run."
     ids=["latest", "best", "before", "best_before", "mixed", "no-rollback", "no-escalation", "off"],
 )
 def test_explain_promises_a_growing_lookback_only_for_targets_with_one(targets, limits, line):
-    from policies.explain import explain
+    from policies.summary import summarize as explain
 
     events = ["spike", "divergence", "threshold"]
     rules = [

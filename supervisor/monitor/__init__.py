@@ -1,7 +1,7 @@
 """The monitor: pure anomaly detectors, an MLflow metric watcher, an exit classifier, notices, heartbeats."""
 
 from supervisor.monitor.classifier import classify_exit, exit_signal, read_oom_kills
-from supervisor.monitor.detector_set import DetectorSet, DetectorSpecError, build_detectors, replay
+from supervisor.monitor.detector_set import DetectorSet
 from supervisor.monitor.detectors import (
     Detector,
     DivergenceDetector,
@@ -12,8 +12,10 @@ from supervisor.monitor.detectors import (
     SpikeDetector,
     ThresholdDetector,
 )
+from supervisor.monitor.from_specs import DetectorSpecError, build_detectors
 from supervisor.monitor.heartbeat import Heartbeat, HeartbeatReader, HeartbeatWriter
 from supervisor.monitor.notices import Notice, NoticePoller, NoticeWatcher, poll_notice
+from supervisor.monitor.replay import replay
 from supervisor.monitor.segments import Segmenter
 from supervisor.monitor.sources import MetricsSourceError, MetricsUnavailable
 from supervisor.monitor.watcher import MetricWatcher, Monitor

@@ -1,5 +1,8 @@
 """Pure, incremental anomaly detectors driven by `(metric, step, value, wall_time)` points.
 
+Their settings have no defaults here: the policy schema (`policies/monitor_schema.py`) is the one place
+that defines and checks them, and `build_detectors` passes every one of them in.
+
 Every detector keeps bounded memory per metric, reads no clock and does no I/O, so the same
 code runs out of process (the MLflow watcher) and in process (the training loop's fast path).
 A detector raises one event per anomaly: it latches after firing and re-arms only when the
@@ -101,10 +104,11 @@ class SpikeDetector:
     def __init__(
         self,
         metric: str,
-        window: int = 128,
-        sigmas: float = 6.0,
-        warmup_steps: int = 200,
-        min_history: int = 32,
+        *,
+        window: int,
+        sigmas: float,
+        warmup_steps: int,
+        min_history: int,
         rel_sigma_floor: float = 1e-3,
     ):
         self.metric = metric
@@ -154,7 +158,7 @@ class DivergenceDetector:
 
     type = "divergence"
 
-    def __init__(self, metric: str, window: int = 200, factor: float = 1.5, patience: int = 50):
+    def __init__(self, metric: str, *, window: int, factor: float, patience: int):
         self.metric = metric
         self.metrics = frozenset({metric})
         self.window, self.factor, self.patience = window, factor, patience
@@ -220,7 +224,7 @@ class ThresholdDetector:
 
     type = "threshold"
 
-    def __init__(self, metric: str, above: float | None = None, below: float | None = None):
+    def __init__(self, metric: str, *, above: float | None, below: float | None):
         self.metric = metric
         self.metrics = frozenset({metric})
         self.above, self.below = above, below
@@ -256,7 +260,7 @@ class PlateauDetector:
 
     type = "plateau"
 
-    def __init__(self, metric: str, mode: str = "min", patience: int = 10, min_delta: float = 0.0):
+    def __init__(self, metric: str, *, mode: str, patience: int, min_delta: float):
         self.metric = metric
         self.metrics = frozenset({metric})
         self.mode, self.patience, self.min_delta = mode, patience, min_delta

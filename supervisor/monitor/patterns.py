@@ -7,6 +7,8 @@ every built-in row. Regexes are matched case-insensitively, line by line (`re.MU
 
 from __future__ import annotations
 
+from policies.monitor_schema import ClassifierPattern
+
 #: NVIDIA Xid codes caused by the application, not the hardware (the rule NVIDIA's k8s device plugin uses).
 APPLICATION_XIDS = (13, 31, 43, 45, 68)
 _APP = "|".join(str(x) for x in APPLICATION_XIDS)
@@ -123,5 +125,5 @@ SIGNAL_RULES: tuple[dict, ...] = (
 #: Rules from outside the log: a provider notice was seen, or the cgroup counted an OOM kill.
 NOTICE_RULE = {"name": "preemption_notice", "type": "preemption", "priority": 45}
 CGROUP_OOM_RULE = {"name": "cgroup_oom_kill", "type": "oom", "priority": 80}
-#: Priority of a policy-supplied pattern that does not name its own.
-DEFAULT_EXTRA_PRIORITY = 100
+#: Priority of a policy-supplied pattern that does not name its own: the schema's default, defined there once.
+DEFAULT_EXTRA_PRIORITY: int = ClassifierPattern.model_fields["priority"].default

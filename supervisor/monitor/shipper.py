@@ -115,8 +115,10 @@ class SpoolShipper:
         except Exception as exc:
             log.warning(
                 "%d bytes of metrics stay in %s: MLflow refused them (%s); the next run of this lineage ships them",
-                self.reader.unshipped_bytes(), self.reader.path, exc,
-            )  # fmt: skip
+                self.reader.unshipped_bytes(),
+                self.reader.path,
+                exc,
+            )
             return False
         return True
 

@@ -21,15 +21,17 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from policies.monitor_schema import AnyDetectorSpec
 from supervisor.events import Event
-from supervisor.monitor.detector_set import DetectorSet, build_detectors
+from supervisor.monitor.detector_set import DetectorSet
 from supervisor.monitor.detectors import HangDetector, Point
+from supervisor.monitor.from_specs import build_detectors
 from supervisor.monitor.heartbeat import HeartbeatReader
 from supervisor.monitor.segments import Segmenter
 from supervisor.monitor.sources import HistorySource, MetricsUnavailable, Row, open_source
@@ -142,7 +144,7 @@ class Monitor:
         cls,
         tracking_uri: str,
         run_id: str,
-        specs: Sequence[Any],
+        specs: Sequence[AnyDetectorSpec | Mapping[str, Any]],
         *,
         heartbeat_path: str | Path | None = None,
         extra_metrics: Iterable[str] = (),

@@ -1,4 +1,4 @@
-"""`policy explain`: what a policy does, in plain words, for every event type."""
+"""What a policy does, in plain words, for every event type: the text `policy explain` prints."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _BETTER = {"min": "lowest", "max": "highest"}
 _LOWER = {"min": "lower", "max": "higher"}
 
 
-def explain(policy: Policy) -> str:
+def summarize(policy: Policy) -> str:
     """The whole policy in plain words: checkpoints, detectors, one line per event type, budgets."""
     lines = [f"Policy: {policy.name}", "", "Checkpoints", *_checkpoints(policy), ""]
     lines += [f"Watching (every {policy.monitor.poll_seconds:g} s)", *_detectors(policy), ""]

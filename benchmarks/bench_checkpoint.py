@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
 import typer
 
-from supervisor.errors import UserError
+from benchmarks.common import BenchError, write_json
 
 app = typer.Typer(add_completion=False)
-
-
-class BenchError(UserError):
-    """Bad benchmark arguments."""
 
 
 def parse_params(text: str) -> int:
@@ -46,12 +41,8 @@ def main(
     count = parse_params(params)
     if device not in ("cpu", "cuda"):
         raise BenchError(f"--device: expected cpu or cuda, got {device!r}")
-    from supervisor.checkpoint.benchmark import run  # torch loads only when the benchmark runs
+    from benchmarks.checkpoint import run  # torch loads only when the benchmark runs
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-") as tmp:
         result = run(count, reps, Path(tmp), device=device)
-    text = json.dumps(result, indent=2)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text + "\n")
-    typer.echo(text)
+    typer.echo(write_json(result, json_path))

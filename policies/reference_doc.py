@@ -1,4 +1,4 @@
-"""The policy YAML reference in Markdown, generated from the schema's field descriptions so it cannot drift."""
+"""The Markdown of policies/REFERENCE.md (and `policy reference`), generated from the schema so it cannot drift."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from policies.describe import describe_field, model_keys, strip_annotated, union_members
 from policies.loader import MAX_PROBLEMS
 from policies.schema import Policy
+from policies.type_words import describe_field, model_keys, strip_annotated, union_members
 from policies.yaml_guard import MAX_ALIAS_NODES, MAX_BYTES, MAX_DEPTH, MAX_NODES
 
 _INTRO = f"""\

@@ -1,4 +1,4 @@
-"""Plain-words descriptions of schema types ("an integer >= 1 or null"), shared by errors and the reference."""
+"""Schema types in plain words ("an integer >= 1 or null"), shared by load errors and the reference."""
 
 from __future__ import annotations
 

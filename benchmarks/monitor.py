@@ -1,8 +1,7 @@
-"""`rollback-supervisor bench monitor`: detection latency and poll cost against real MLflow stores."""
+"""`bench monitor` measurements: detection latency (log -> event) and poll cost against real MLflow stores."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -15,21 +14,12 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import typer
-
-from supervisor.errors import UserError
-
-app = typer.Typer(add_completion=False, help="Measure the monitor's detection latency and poll cost.")
-_BACKENDS = ("sqlite", "http")
-
-
-class BenchError(UserError):
-    """A benchmark option is out of range."""
+BACKENDS = ("sqlite", "http")
 
 
 def _free_port() -> int:
@@ -39,14 +29,26 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _mlflow_server(root: Path) -> Iterator[str]:
+def mlflow_server(root: Path) -> Iterator[str]:
     """A real `mlflow server` on 127.0.0.1 (sqlite backend), stopped by PID on exit."""
     port = _free_port()
     log = (root / "server.log").open("ab")
     cmd = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{root / 'server.db'}", "--artifacts-destination", str(root / "artifacts"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'server.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+    ]
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -76,7 +78,8 @@ def _mlflow_server(root: Path) -> Iterator[str]:
         log.close()
 
 
-def _summary(samples: list[float]) -> dict[str, float]:
+def summary(samples: list[float]) -> dict[str, float]:
+    """Median, p90, min and max of `samples`."""
     ordered = sorted(samples)
     return {
         "median": statistics.median(ordered),
@@ -86,7 +89,7 @@ def _summary(samples: list[float]) -> dict[str, float]:
     }
 
 
-def _latency(uri: str, trials: int, poll_seconds: float, seed: int) -> dict[str, Any]:
+def latency(uri: str, trials: int, poll_seconds: float, seed: int) -> dict[str, Any]:
     """Seconds from `log_metric(NaN)` being called to the monitor's callback, with a random poll phase."""
     from mlflow.tracking import MlflowClient
 
@@ -123,7 +126,7 @@ def _latency(uri: str, trials: int, poll_seconds: float, seed: int) -> dict[str,
             raise RuntimeError(f"no event within {poll_seconds + 30} s on {uri}")
         latencies.append(seen["at"] - start)
     target = poll_seconds + 0.5
-    stats = _summary(latencies)
+    stats = summary(latencies)
     return {
         **{f"{k}_s": v for k, v in stats.items()},
         "samples_s": latencies,
@@ -133,7 +136,7 @@ def _latency(uri: str, trials: int, poll_seconds: float, seed: int) -> dict[str,
     }
 
 
-def _poll_cost(uri: str, points: int, metrics: int, repeats: int = 20) -> dict[str, Any]:
+def poll_cost(uri: str, points: int, metrics: int, repeats: int = 20) -> dict[str, Any]:
     """Cost of polls on one run with `points` points for each of `metrics` metrics."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
@@ -182,33 +185,22 @@ def _poll_cost(uri: str, points: int, metrics: int, repeats: int = 20) -> dict[s
         "metrics": metrics,
         "first_poll_s": first,
         "first_poll_points": caught_up,
-        "idle_poll_ms": {k: 1000 * v for k, v in _summary(idle).items()},
-        "one_step_poll_ms": {k: 1000 * v for k, v in _summary(one_step).items()},
+        "idle_poll_ms": {k: 1000 * v for k, v in summary(idle).items()},
+        "one_step_poll_ms": {k: 1000 * v for k, v in summary(one_step).items()},
         "full_history_read_all_metrics_s": full,
     }
 
 
-@app.callback(invoke_without_command=True)
-def bench(
-    json_path: Path = typer.Option(..., "--json", help="Write the results here as JSON."),
-    trials: int = typer.Option(20, help="Latency trials per backend."),
-    poll_seconds: float = typer.Option(1.0, help="The monitor's poll interval during latency trials."),
-    points: int = typer.Option(10_000, help="Points per metric in the poll-cost run."),
-    metrics: int = typer.Option(5, help="Metrics in the poll-cost run."),
-    backends: str = typer.Option(
-        "sqlite,http", help="Comma-separated: sqlite, http (a local mlflow server)."
-    ),
-    seed: int = typer.Option(0, help="Seed for the random poll phase of each trial."),
-) -> None:
-    """Detection latency (log -> event) and poll cost, against sqlite and a local `mlflow server`."""
-    chosen = [b.strip() for b in backends.split(",") if b.strip()]
-    if not chosen or any(b not in _BACKENDS for b in chosen):
-        raise BenchError(
-            f"--backends: expected a comma-separated subset of {', '.join(_BACKENDS)}, got {backends!r}"
-        )
-    if trials < 1 or points < 1 or metrics < 1 or poll_seconds <= 0:
-        raise BenchError("--trials, --points and --metrics: expected >= 1; --poll-seconds: expected > 0")
-    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+def run(
+    backends: Sequence[str],
+    trials: int,
+    poll_seconds: float,
+    points: int,
+    metrics: int,
+    seed: int,
+    say: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Latency and poll cost on each backend (sqlite, or a local `mlflow server` for http), as one result."""
     import mlflow
 
     results: dict[str, Any] = {
@@ -224,22 +216,21 @@ def bench(
     }
     with tempfile.TemporaryDirectory(prefix="rbs-bench-monitor-") as tmp:
         root = Path(tmp)
-        for backend in chosen:
+        for backend in backends:
             if backend == "sqlite":
                 uri = f"sqlite:///{root / 'bench.db'}"
-                results["latency"][backend] = _latency(uri, trials, poll_seconds, seed)
-                results["poll_cost"][backend] = _poll_cost(uri, points, metrics)
+                results["latency"][backend] = latency(uri, trials, poll_seconds, seed)
+                results["poll_cost"][backend] = poll_cost(uri, points, metrics)
             else:
-                with _mlflow_server(root) as uri:
-                    results["latency"][backend] = _latency(uri, trials, poll_seconds, seed)
-                    results["poll_cost"][backend] = _poll_cost(uri, points, metrics)
+                with mlflow_server(root) as uri:
+                    results["latency"][backend] = latency(uri, trials, poll_seconds, seed)
+                    results["poll_cost"][backend] = poll_cost(uri, points, metrics)
             lat, cost = results["latency"][backend], results["poll_cost"][backend]
-            typer.echo(
+            say(
                 f"{backend}: latency median {lat['median_s']:.3f} s (p90 {lat['p90_s']:.3f}, target "
                 f"{lat['target_s']:.1f}, {'met' if lat['meets_target'] else 'MISSED'}); poll of {metrics}x{points}: "
                 f"first {cost['first_poll_s']:.2f} s, idle {cost['idle_poll_ms']['median']:.1f} ms, "
                 f"one step {cost['one_step_poll_ms']['median']:.1f} ms, full re-read "
                 f"{cost['full_history_read_all_metrics_s']:.2f} s"
             )
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    return results

@@ -1,4 +1,4 @@
-"""Checkpoint benchmark measurements: our store against torch.save/torch.load, in one process, medians."""
+"""`bench checkpoint` measurements: our store against torch.save/torch.load, in one process, medians."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from supervisor.checkpoint.manager import CheckpointManager
-from supervisor.checkpoint.options import CheckpointOptions
+from supervisor.checkpoint import CheckpointManager, CheckpointOptions
 from supervisor.state import TrainingState
 
 TARGETS = {
