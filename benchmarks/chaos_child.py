@@ -37,7 +37,7 @@ PHASES = {
     "write": [("supervisor.checkpoint.writer", "write_blob")],  # tensor data, its xxh3-64 hashed as written
     "commit": [("supervisor.checkpoint.local", "LocalStore.commit")],  # manifest, renames, fsyncs, marker
     "retention": [
-        ("supervisor.checkpoint.manager", "CheckpointManager._retain"),  # local deletes, blob gc
+        ("supervisor.checkpoint.pipeline", "WritePipeline.retain"),  # local deletes, blob gc
         ("supervisor.checkpoint.remote", "RemoteTier.apply_retention"),  # the same on the remote
     ],
     "upload": [("supervisor.checkpoint.remote", "RemoteTier.upload")],  # blobs, manifest, marker to S3

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from policies.base import Spec, problem
 from policies.monitor_schema import MonitorConfig
 from policies.targets import Target
+from supervisor.checkpoint.options import MEMORY_SLOTS, MEMORY_SLOTS_DOC
 from supervisor.events import EventType
 
 Mode = Literal["min", "max"]
@@ -55,7 +56,7 @@ class CheckpointConfig(Spec):
     async_: bool = Field(
         True, alias="async", description="Write checkpoints in the background while training continues."
     )
-    memory_slots: int = Field(2, ge=1, description="In-memory staging buffers for asynchronous saves.")
+    memory_slots: int = Field(MEMORY_SLOTS, ge=1, description=MEMORY_SLOTS_DOC)
     storage: str = Field(
         "./checkpoints", min_length=1, description="Local directory or fsspec URL of the store."
     )

@@ -8,13 +8,13 @@ Under DDP, "ranks.<rank>.<rng|part>..." holds what differs per rank; each rank r
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from supervisor.errors import CheckpointError, UserError
-from supervisor.flatten import could_match, flatten, leaf_paths, matches, overlay
+from supervisor.flatten import child_path, could_match, flatten, leaf_paths, matches, overlay
 from supervisor.rng import capture_rng, restore_rng
 from supervisor.rng import rank_seed as rank_seed  # re-exported: the public place scripts import it from
 from supervisor.stateful import Stateful
@@ -34,8 +34,8 @@ class TrainingState:
 
     Register anything with state_dict()/load_state_dict(): models, optimizers, schedulers, GradScaler,
     the data loader (a torch DataLoader is kept in its exact form or refused: `supervisor.data.loader_part`).
-    `state_dict()` returns tensors that alias live ones; a CheckpointManager copies them.
-    Not thread-safe: use it from the training thread.
+    `state_dict()` returns tensors that alias live ones; a CheckpointManager copies them. It implements
+    `CheckpointableState` by flattening everything on this rank. Not thread-safe: use it from the training thread.
     """
 
     def __init__(self) -> None:
@@ -45,8 +45,6 @@ class TrainingState:
         self.samples_seen = 0
         self.extras: dict[str, Any] = {}
         self.rank = 0
-        #: Every rank's per-rank state ({"<rank>": {...}}), set by the writer rank just before a save.
-        self.rank_states: dict[str, Any] | None = None
 
     def register(self, name: str, obj: Any) -> Any:
         """Register `obj` under `name`; returns `obj` (`self[name]` is what is saved: maybe a loader's wrapper)."""
@@ -89,9 +87,39 @@ class TrainingState:
         nested["counters"] = self.counters()
         nested["extras"] = dict(self.extras)
         nested["rng"] = capture_rng()
-        if self.rank_states is not None:
-            nested["ranks"] = self.rank_states
         return nested
+
+    def snapshot(
+        self, step: int, extras: Mapping[str, Any] | None = None, rank_states: Mapping[str, Any] | None = None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """(skeleton, live tensors) of the state as checkpoint `step`, which becomes the state's step counter.
+
+        `extras` are merged over the registered extras; `rank_states` (every rank's own share under DDP,
+        {"<rank>": {...}}) is stored under "ranks".
+        """
+        self.step = int(step)  # saving "as step N" states where the loop is, as CheckpointManager.save did
+        nested = self.state_dict()
+        if extras:
+            nested["extras"] = {**nested["extras"], **extras}
+        if rank_states is not None:
+            nested["ranks"] = dict(rank_states)
+        return flatten(nested)
+
+    def checked(self) -> Callable[[str], bool]:
+        """Which tensors a snapshot's health covers: all of them but module buffers.
+
+        Parameters and optimizer state must be finite; a buffer may hold an infinity on purpose (an additive
+        attention mask), and a NaN in one comes with NaN parameters anyway.
+        """
+        buffers = set()
+        for name, part in self._parts.items():
+            if isinstance(part, torch.nn.Module):
+                buffers |= {child_path(name, b) for b, _ in part.named_buffers(remove_duplicate=False)}
+        return lambda tensor: tensor not in buffers
+
+    def load(self, nested: dict[str, Any], prefixes: Iterable[str] | None = None) -> None:
+        """`load_state_dict` under the CheckpointableState name."""
+        self.load_state_dict(nested, prefixes=prefixes)
 
     def rank_state_dict(self, parts: Iterable[str]) -> dict[str, Any]:
         """This rank's own share of the state: every RNG stream and the named parts (e.g. its data loader)."""

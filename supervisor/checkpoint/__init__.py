@@ -21,7 +21,7 @@ from supervisor.checkpoint.retention import (
     KeepEvery,
     KeepLast,
     KeepProtected,
-    Policy,
+    RetentionPolicy,
     RetentionResult,
     apply_retention,
 )
@@ -42,7 +42,7 @@ __all__ = [
     "KeepEvery",
     "KeepLast",
     "KeepProtected",
-    "Policy",
+    "RetentionPolicy",
     "RetentionResult",
     "UnsupportedStateError",
     "apply_retention",

@@ -7,6 +7,7 @@ import logging
 import os
 import posixpath
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -28,7 +29,7 @@ from supervisor.checkpoint.manifest import (
 )
 from supervisor.checkpoint.options import VERIFY_MODES, CheckpointInfo, parse_id
 from supervisor.checkpoint.paths import LeavesStore, name_leaves, resolves_outside
-from supervisor.checkpoint.retention import Policy, RetentionResult, apply_retention
+from supervisor.checkpoint.retention import RetentionPolicy, RetentionResult, apply_retention
 from supervisor.checkpoint.safetensors_header import HeaderEntry, header_length, parse_header
 from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
@@ -37,6 +38,22 @@ log = logging.getLogger("rollback_supervisor.checkpoint")
 _CHUNK = 1 << 24
 #: The most a manifest or state.json may hold: a 100k-tensor state's is about 30 MB.
 MAX_JSON = 256 << 20
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One listing of a store: its committed checkpoints and what reading each one's manifest gave.
+
+    A call that lists, verifies and restores passes this down, so each manifest is read once per call (on an
+    object store every read is a request).
+    """
+
+    infos: list[CheckpointInfo]
+    reads: dict[str, Manifest | CheckpointError] = field(default_factory=dict)
+
+    def manifest(self, checkpoint_id: str) -> Manifest | CheckpointError | None:
+        """The listed manifest, or the error reading it gave; None when this listing did not read it."""
+        return self.reads.get(checkpoint_id)
 
 
 class Catalog:
@@ -140,6 +157,10 @@ class Catalog:
             return False
         return marker_pin(marker) is not None
 
+    def abandoned_ids(self) -> set[str]:
+        """Committed checkpoints marked abandoned (no manifest is read)."""
+        return {cid for cid in self.ids() if self.committed(cid) and ABANDONED in self._names(cid)}
+
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The parsed manifest of a committed checkpoint; CheckpointCorrupt if it is unreadable or edited,
         or if it, or a file it lists, leads out of the store."""
@@ -178,20 +199,34 @@ class Catalog:
 
     def info(self, checkpoint_id: str) -> CheckpointInfo | None:
         """Info of a committed checkpoint (from its id alone when its manifest is bad); None if uncommitted."""
+        return self._info(checkpoint_id, {})
+
+    def _info(
+        self, checkpoint_id: str, reads: dict[str, Manifest | CheckpointError]
+    ) -> CheckpointInfo | None:
+        """info(), recording in `reads` what reading the manifest gave."""
         if not self.committed(checkpoint_id):
             return None
         abandoned = ABANDONED in self._names(checkpoint_id)
         where = self.location(CKPT_PREFIX + checkpoint_id)
         try:
             m = self.manifest(checkpoint_id)
-        except CheckpointCorrupt:
+        except CheckpointCorrupt as exc:
+            reads[checkpoint_id] = exc
             step, seq = parse_id(checkpoint_id)
             return CheckpointInfo(checkpoint_id, step, 0.0, {}, None, where, seq, (self.tier,), abandoned)
+        reads[checkpoint_id] = m
         return info_from_manifest(m, where, (self.tier,), abandoned)
+
+    def listing(self) -> Listing:
+        """Every committed checkpoint, oldest commit first, with each manifest read once."""
+        reads: dict[str, Manifest | CheckpointError] = {}
+        infos = [i for cid in self.ids() if (i := self._info(cid, reads)) is not None]
+        return Listing(infos, reads)
 
     def list(self) -> list[CheckpointInfo]:
         """Every committed checkpoint, oldest commit first (abandoned ones included and flagged)."""
-        return [i for cid in self.ids() if (i := self.info(cid)) is not None]
+        return self.listing().infos
 
     def get(self, checkpoint_id: str) -> CheckpointInfo:
         found = self.info(checkpoint_id)
@@ -199,16 +234,19 @@ class Catalog:
             raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.url}")
         return found
 
-    def verify(self, checkpoint_id: str, mode: str = "full") -> str | None:
+    def verify(
+        self, checkpoint_id: str, mode: str = "full", *, read: Manifest | CheckpointError | None = None
+    ) -> str | None:
         """None when the checkpoint is valid, else the first reason found.
 
         Every mode checks the commit marker, the manifest, and that nothing it names leads out of the store;
-        "fast" adds file sizes; "full" adds checksums and each blob's header against the manifest.
+        "fast" adds file sizes; "full" adds checksums and each blob's header against the manifest. `read` is
+        what this call's caller already got from manifest() (a Listing's), so it is not read again.
         """
         if mode not in VERIFY_MODES:
             raise CheckpointError(f"verify mode: expected one of {', '.join(VERIFY_MODES)}, got {mode!r}")
         try:
-            manifest = self.manifest(checkpoint_id)
+            manifest = self.known_manifest(checkpoint_id, read)
         except CheckpointCorrupt as exc:
             return exc.reason
         except CheckpointNotFound:
@@ -223,6 +261,14 @@ class Catalog:
             if reason:
                 return reason
         return self._check_headers(manifest) if mode == "full" else None
+
+    def known_manifest(self, checkpoint_id: str, read: Manifest | CheckpointError | None) -> Manifest:
+        """`read` when it is a manifest, raised when it is an error; read now when None."""
+        if read is None:
+            return self.manifest(checkpoint_id)
+        if isinstance(read, CheckpointError):
+            raise read
+        return read
 
     def _check_headers(self, manifest: Manifest) -> str | None:
         """The first tensor whose dtype, shape or byte count in the manifest disagrees with its blob's header."""
@@ -271,10 +317,11 @@ class Catalog:
 
     def latest(self, mode: str = "fast") -> CheckpointInfo | None:
         """The newest commit that is not abandoned and passes `mode` verification (reasons are logged)."""
-        for info in reversed(self.list()):
+        listing = self.listing()
+        for info in reversed(listing.infos):
             if info.abandoned:
                 continue
-            reason = self.verify(info.id, mode)
+            reason = self.verify(info.id, mode, read=listing.manifest(info.id))
             if reason is None:
                 return info
             log.warning("Skipping checkpoint %s (%s)", info.id, reason)
@@ -315,7 +362,7 @@ class Catalog:
             self.fs.rm(self.path(f"{CKPT_PREFIX}{checkpoint_id}/{MARKER}"))
         self.fs.rm(ckpt, recursive=True)
 
-    def gc(self, policy: Policy | None) -> RetentionResult:
+    def gc(self, policy: RetentionPolicy | None) -> RetentionResult:
         """Delete what `policy` does not keep, then blobs no remaining checkpoint references."""
         with self.writer_lock() if self.writer_lock else contextlib.nullcontext():
             result = apply_retention(policy, self.list())

@@ -12,6 +12,14 @@ from supervisor.errors import UserError
 VerifyMode = Literal["full", "fast", "none"]
 VERIFY_MODES = ("full", "fast", "none")
 TIERS = ("memory", "local", "remote")
+#: The one default of `memory_slots`, here and in the policy schema's `checkpoint.memory_slots`.
+MEMORY_SLOTS = 2
+#: What `memory_slots` means, word for word the same in the policy schema.
+MEMORY_SLOTS_DOC = (
+    "Snapshots of the state kept in host memory after they are written, for in-process rollbacks "
+    "(restore_memory); each costs one copy of the state. Asynchronous saves copy into the same buffers, so "
+    "the ring holds max(memory_slots, max_in_flight) of them while writes are in flight."
+)
 
 
 class CheckpointOptionsError(UserError, ValueError):
@@ -52,8 +60,14 @@ class CheckpointOptions:
     """Write, checksum and commit in a background thread; save() blocks only for the host-memory snapshot."""
     max_in_flight: int = 1
     """Most saves written at once; save() blocks until the oldest finishes when this many are in flight."""
-    memory_slots: int = 1
-    """Snapshots kept in host memory for restore_memory() (each costs one copy of the state)."""
+    memory_slots: int = MEMORY_SLOTS
+    """Snapshots of the state kept in host memory after they are written, for in-process rollbacks.
+
+    `restore_memory()` restores from them; each costs one copy of the state. Asynchronous saves copy into the
+    same buffers, so the ring holds max(memory_slots, max_in_flight) of them while writes are in flight; 0
+    keeps none once written (a policy asks for at least 1). The policy's `checkpoint.memory_slots` is this
+    option, with this default (`MEMORY_SLOTS`) and this meaning (`MEMORY_SLOTS_DOC`).
+    """
     verify: VerifyMode = "full"
     """Restore checks: full (sizes and xxh3 checksums), fast (sizes only) or none (commit marker only)."""
     dedup: bool = True

@@ -15,7 +15,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from supervisor.checkpoint.catalog import Catalog
 from supervisor.checkpoint.local import LocalStore, fsync_dir, write_file
 from supervisor.checkpoint.manifest import ABANDONED, BLOBS, CKPT_PREFIX, MANIFEST, MARKER, STATE, Manifest
-from supervisor.checkpoint.retention import Policy, apply_retention
+from supervisor.checkpoint.retention import RetentionPolicy, apply_retention
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 _PERMANENT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
@@ -119,7 +119,7 @@ class RemoteTier:
             self.fs.pipe_file, self.catalog.path(f"{CKPT_PREFIX}{checkpoint_id}/{ABANDONED}"), reason.encode()
         )
 
-    def apply_retention(self, policy: Policy | None, busy: str | None = None) -> None:
+    def apply_retention(self, policy: RetentionPolicy | None, busy: str | None = None) -> None:
         """Delete what `policy` drops, half-uploaded checkpoints and unreferenced blobs, logging why."""
         for cid in self.catalog.ids():
             if cid != busy and not self.catalog.committed(cid):

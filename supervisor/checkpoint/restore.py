@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -19,10 +18,7 @@ from supervisor.checkpoint.memory import Snapshot
 from supervisor.checkpoint.paths import LeavesStore
 from supervisor.errors import CheckpointCorrupt
 from supervisor.flatten import matches, tensor_paths, unflatten
-
-if TYPE_CHECKING:
-    from supervisor.state import TrainingState
-
+from supervisor.stateful import CheckpointableState
 
 #: state.json nests as deep as the registered state dicts do; far deeper is a planted file, not a state.
 _MAX_STATE_DEPTH = 200
@@ -32,7 +28,7 @@ def _selected(skeleton: object, prefixes: Iterable[str] | None) -> list[tuple[st
     return [(n, p) for n, p in tensor_paths(skeleton) if prefixes is None or matches(p, prefixes)]
 
 
-def restore_snapshot(snap: Snapshot, state: TrainingState, prefixes: Iterable[str] | None) -> None:
+def restore_snapshot(snap: Snapshot, state: CheckpointableState, prefixes: Iterable[str] | None) -> None:
     """Restore from a host-memory snapshot; its buffers are copied, never handed over, so they stay reusable."""
     live = state.live_tensors()
     tensors: dict[str, torch.Tensor] = {}
@@ -46,7 +42,7 @@ def restore_snapshot(snap: Snapshot, state: TrainingState, prefixes: Iterable[st
         else:
             tensors[name] = src if state.copies_on_load(path) else src.clone()
     copy_tensors(pairs)
-    state.load_state_dict(unflatten(snap.skeleton, tensors), prefixes=prefixes)
+    state.load(unflatten(snap.skeleton, tensors), prefixes)
 
 
 @dataclass
@@ -63,7 +59,11 @@ class _Read:
 
 
 def restore_local(
-    catalog: Catalog, manifest: Manifest, state: TrainingState, prefixes: Iterable[str] | None, verify: str
+    catalog: Catalog,
+    manifest: Manifest,
+    state: CheckpointableState,
+    prefixes: Iterable[str] | None,
+    verify: str,
 ) -> None:
     """Restore from a local checkpoint: each tensor is read once, straight into live memory where it fits.
 
@@ -73,7 +73,7 @@ def restore_local(
     overwritten and another checkpoint must be restored (restore("latest") does that by itself).
     """
     cid = manifest.id
-    if verify != "none" and (reason := catalog.verify(cid, "fast")):
+    if verify != "none" and (reason := catalog.verify(cid, "fast", read=manifest)):
         raise CheckpointCorrupt(cid, reason)
     state_rel = f"{CKPT_PREFIX}{cid}/{STATE}"
     try:
@@ -110,7 +110,7 @@ def restore_local(
         bad = next((r.reason for r in reads if r.reason), None)
         if bad:
             raise CheckpointCorrupt(cid, f"{bad} (found while copying: the live state is partly overwritten)")
-        state.load_state_dict(unflatten(skeleton, tensors), prefixes=prefixes)
+        state.load(unflatten(skeleton, tensors), prefixes)
     finally:
         for reader in readers.values():
             reader.close()

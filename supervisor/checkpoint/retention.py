@@ -10,7 +10,7 @@ from typing import Any, Literal
 from supervisor.checkpoint.options import CheckpointInfo
 
 
-class Policy:
+class RetentionPolicy:
     """Decides which checkpoints to keep; combine with `|` (keep what any policy keeps)."""
 
     def keeps(self, infos: Sequence[CheckpointInfo], *, abandoned: bool = False) -> set[str]:
@@ -21,12 +21,12 @@ class Policy:
         """Why this policy does not keep `info` (empty when it has nothing to say)."""
         return ""
 
-    def __or__(self, other: Policy) -> AnyOf:
+    def __or__(self, other: RetentionPolicy) -> AnyOf:
         return AnyOf(self, other)
 
 
 @dataclass(frozen=True)
-class KeepLast(Policy):
+class KeepLast(RetentionPolicy):
     """Keep the newest `k` commits, and the newest `k` healthy ones.
 
     Unhealthy checkpoints (non-finite state) never count toward the `k` healthy ones, so a run that keeps
@@ -47,7 +47,7 @@ class KeepLast(Policy):
 
 
 @dataclass(frozen=True)
-class KeepBest(Policy):
+class KeepBest(RetentionPolicy):
     """Keep the `k` best by `metric` ("min" or "max"), and always the newest commit."""
 
     metric: str
@@ -70,7 +70,7 @@ class KeepBest(Policy):
 
 
 @dataclass(frozen=True)
-class KeepEvery(Policy):
+class KeepEvery(RetentionPolicy):
     """Keep every checkpoint whose step is a multiple of `n` (milestones)."""
 
     n: int
@@ -83,7 +83,7 @@ class KeepEvery(Policy):
 
 
 @dataclass(frozen=True)
-class KeepProtected(Policy):
+class KeepProtected(RetentionPolicy):
     """Keep the listed ids, abandoned or not (targets of a pending rollback)."""
 
     ids: frozenset[str]
@@ -96,13 +96,13 @@ class KeepProtected(Policy):
 
 
 @dataclass(frozen=True)
-class AnyOf(Policy):
+class AnyOf(RetentionPolicy):
     """Keep what any of `policies` keeps."""
 
-    policies: tuple[Policy, ...]
+    policies: tuple[RetentionPolicy, ...]
 
-    def __init__(self, *policies: Policy):
-        flat: list[Policy] = []
+    def __init__(self, *policies: RetentionPolicy):
+        flat: list[RetentionPolicy] = []
         for p in policies:
             flat.extend(p.policies if isinstance(p, AnyOf) else (p,))
         object.__setattr__(self, "policies", tuple(flat))
@@ -122,7 +122,7 @@ class RetentionResult:
     delete: tuple[tuple[CheckpointInfo, str], ...]
 
 
-def apply_retention(policy: Policy | None, infos: Iterable[CheckpointInfo]) -> RetentionResult:
+def apply_retention(policy: RetentionPolicy | None, infos: Iterable[CheckpointInfo]) -> RetentionResult:
     """Apply `policy` to `infos`; the newest live commit is always kept, None keeps everything."""
     ordered = sorted(infos, key=lambda i: i.seq)
     if policy is None:
@@ -142,9 +142,9 @@ def policy_from_settings(
     keep_best: Any = None,
     keep_every_steps: int | None = None,
     protected: Iterable[str] = (),
-) -> Policy | None:
+) -> RetentionPolicy | None:
     """Compose the policy a `checkpoint:` section asks for; None when it asks for none."""
-    parts: list[Policy] = []
+    parts: list[RetentionPolicy] = []
     if keep_last:
         parts.append(KeepLast(keep_last))
     if keep_best is not None:

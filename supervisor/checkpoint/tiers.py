@@ -4,21 +4,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
-from supervisor.checkpoint.catalog import best_of
+from supervisor.checkpoint.catalog import Listing
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.memory import SnapshotRing
 from supervisor.checkpoint.options import TIERS, CheckpointInfo
 from supervisor.checkpoint.remote import RemoteTier
 from supervisor.checkpoint.restore import restore_local, restore_snapshot
 from supervisor.errors import CheckpointCorrupt, CheckpointNotFound
-
-if TYPE_CHECKING:
-    from supervisor.state import TrainingState
+from supervisor.stateful import CheckpointableState
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
+
+
+@dataclass(frozen=True)
+class TierListing:
+    """One listing of every tier: the merged infos (oldest commit first) and each store's own listing."""
+
+    infos: list[CheckpointInfo]
+    local: Listing
+    remote: Listing | None
+    where: str
+
+    def get(self, checkpoint_id: str) -> CheckpointInfo:
+        for info in self.infos:
+            if info.id == checkpoint_id:
+                return info
+        raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.where}")
 
 
 class Tiers:
@@ -30,11 +43,12 @@ class Tiers:
     def where(self) -> str:
         return self.store.root + (f" or {self.remote.url}" if self.remote else "")
 
-    def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints across tiers, oldest commit first; each lists the tiers holding it."""
+    def listing(self) -> TierListing:
+        """Committed checkpoints across tiers, each manifest read once; each info lists the tiers holding it."""
+        remote = self.remote.catalog.listing() if self.remote else None
+        local = self.store.catalog.listing()
         merged: dict[str, CheckpointInfo] = {}
-        remote = self.remote.catalog.list() if self.remote else []
-        for info in [*remote, *self.store.catalog.list()]:
+        for info in [*(remote.infos if remote else []), *local.infos]:
             old = merged.get(info.id)
             tiers = (old.tiers if old else ()) + info.tiers
             merged[info.id] = replace(
@@ -45,37 +59,26 @@ class Tiers:
         for info in merged.values():
             tiers = (("memory",) if info.id in in_ring else ()) + info.tiers
             out.append(replace(info, tiers=tuple(t for t in TIERS if t in tiers)))
-        return sorted(out, key=lambda i: i.seq)
+        return TierListing(sorted(out, key=lambda i: i.seq), local, remote, self.where())
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints across tiers, oldest commit first; each lists the tiers holding it."""
+        return self.listing().infos
 
     def get(self, checkpoint_id: str) -> CheckpointInfo:
-        for info in self.list():
-            if info.id == checkpoint_id:
-                return info
-        raise CheckpointNotFound(f"checkpoint {checkpoint_id} not found in {self.where()}")
+        return self.listing().get(checkpoint_id)
 
-    def latest(self) -> CheckpointInfo | None:
-        for info in reversed(self.list()):
-            if not info.abandoned and self.valid_somewhere(info):
-                return info
-        return None
-
-    def best(self, metric: str, mode: str) -> CheckpointInfo | None:
-        infos = self.list()
-        while (found := best_of(infos, metric, mode)) is not None:
-            if self.valid_somewhere(found):
-                return found
-            infos = [i for i in infos if i.id != found.id]
-        return None
-
-    def valid_somewhere(self, info: CheckpointInfo) -> bool:
+    def valid_somewhere(self, info: CheckpointInfo, listing: TierListing) -> bool:
         """True when some tier's copy passes a fast check; otherwise the reasons are logged."""
         reasons = []
         if "local" in info.tiers:
-            if (reason := self.store.catalog.verify(info.id, "fast")) is None:
+            read = listing.local.manifest(info.id)
+            if (reason := self.store.catalog.verify(info.id, "fast", read=read)) is None:
                 return True
             reasons.append(f"local: {reason}")
         if "remote" in info.tiers and self.remote is not None:
-            if (reason := self.remote.catalog.verify(info.id, "fast")) is None:
+            read = listing.remote.manifest(info.id) if listing.remote else None
+            if (reason := self.remote.catalog.verify(info.id, "fast", read=read)) is None:
                 return True
             reasons.append(f"remote: {reason}")
         log.warning("Skipping checkpoint %s (%s)", info.id, "; ".join(reasons) or "held by no tier")
@@ -84,11 +87,12 @@ class Tiers:
     def restore(
         self,
         info: CheckpointInfo,
-        state: TrainingState,
+        state: CheckpointableState,
         prefixes: list[str] | None,
         tier: str | None,
         verify: str,
         after_fetch: Callable[[], None],
+        listing: TierListing,
     ) -> str:
         """Restore `info` from `tier`, or the fastest tier with a valid copy; returns the tier used."""
         reasons = []
@@ -105,9 +109,10 @@ class Tiers:
                 if t == "remote":
                     self._fetch(info.id)
                     after_fetch()
-                restore_local(
-                    self.store.catalog, self.store.catalog.manifest(info.id), state, prefixes, verify
-                )
+                    manifest = self.store.catalog.manifest(info.id)  # the copy just downloaded
+                else:
+                    manifest = self.store.catalog.known_manifest(info.id, listing.local.manifest(info.id))
+                restore_local(self.store.catalog, manifest, state, prefixes, verify)
                 return t
             except CheckpointCorrupt as exc:
                 reasons.append(f"{t}: {exc.reason}")
