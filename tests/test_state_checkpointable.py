@@ -1,4 +1,4 @@
-"""TrainingState through the CheckpointableState protocol: what a snapshot holds, and the step counter untouched."""
+"""TrainingState through the CheckpointableState protocol: what a snapshot holds, and its step becoming the state's counter."""
 
 from __future__ import annotations
 

@@ -35,8 +35,10 @@ def abandon_after(
         write.exception()  # its commit is under way: let it land, then mark it below
     for info in refused:
         log.info("Abandoned checkpoint %s before its commit (rolled back to %s)", info.id, target.id)
-    if listing is None or tickets.commits() != commits:
-        listing = tiers.listing()  # a save committed since the listing above: it may be one to mark
+    if listing is None or landing or tickets.commits() != commits:
+        # A save committed since the listing above (it may be one to mark), or one we waited for ran its
+        # retention (it may have deleted a listed checkpoint): list again.
+        listing = tiers.listing()
     gone = [i for i in listing.infos if i.seq > target.seq and not i.abandoned]
     reason = f"rolled back to {target.id}"
     for info in gone:

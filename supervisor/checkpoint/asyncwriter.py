@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from supervisor.errors import BackgroundSaveError
+from supervisor.errors import BackgroundSaveError, CheckpointError
 
 
 class BackgroundErrors:
@@ -52,6 +52,7 @@ class AsyncWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._futures: deque[Future[None]] = deque()
         self._lock = threading.Lock()
+        self._closed = False
 
     def reserve(self) -> None:
         """Take one in-flight slot, blocking while `max_in_flight` jobs are unfinished; submit() hands it on."""
@@ -66,6 +67,8 @@ class AsyncWriter:
     def submit(self, checkpoint_id: str, job: Callable[..., Any], *args: Any) -> Future[None]:
         """Run `job(*args)` in the background after the jobs before it; with a bound, reserve() first."""
         with self._lock:
+            if self._closed:
+                raise CheckpointError(f"{self._name}: submit() after close(); open a new CheckpointManager")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, self._name)
             future = self._pool.submit(self._run, checkpoint_id, job, args)
@@ -116,6 +119,7 @@ class AsyncWriter:
         self.drain()
         with self._lock:
             pool, self._pool = self._pool, None
+            self._closed = True
         if pool is not None:
             pool.shutdown(wait=True)
 

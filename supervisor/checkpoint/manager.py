@@ -109,8 +109,8 @@ class CheckpointManager:
         pending() the health mark, which the writer reads from the copy so that training does not wait for it).
         `before_commit` runs after the files are written and before they are committed (on the writer thread
         with async_save); if it raises, the checkpoint is not committed. `rank_states` (every rank's own share,
-        {"<rank>": {...}}, under DDP) is stored under "ranks". The state sets its step counter to `step` (it owns
-        the counter; this manager never writes it).
+        {"<rank>": {...}}, under DDP) is stored under "ranks". Taking the snapshot sets the state's step counter
+        to `step` (TrainingState owns the counter).
         """
         self._check()
         last = self._branch.already_saved(step)

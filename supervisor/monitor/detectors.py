@@ -1,7 +1,8 @@
 """Pure, incremental anomaly detectors driven by `(metric, step, value, wall_time)` points.
 
-Their settings have no defaults here: the policy schema (`policies/monitor_schema.py`) is the one place
-that defines and checks them, and `build_detectors` passes every one of them in.
+Settings that come from a policy have no defaults here (only internal tuning, such as `rel_sigma_floor`,
+does): the policy schema (`policies/monitor_schema.py`) is the one place that defines and checks them, and
+`build_detectors` passes every one of them in.
 
 Every detector keeps bounded memory per metric, reads no clock and does no I/O, so the same
 code runs out of process (the MLflow watcher) and in process (the training loop's fast path).
