@@ -1,11 +1,11 @@
 """Child processes of `bench rollback`, timed inside the example's real Session (a subclass adds clocks only).
 
 `inprocess`: runs examples/charlm.py's own training loop. The fault drill poisons the weights (`nan@K`); the
-loss of the next step is NaN, the in-process detector fires, the policy says rollback, and
-Session._handle_anomaly restores from the memory ring. Measured per anomaly: from entering _handle_anomaly
-(the detector has just fired) to the end of the first resumed step. After the last anomaly's resumed step
-the run stops (no final checkpoint) and a plain `torch.save` of the same state is written for the naive
-baseline.
+loss of the next step is NaN, the in-process detector fires, the policy says rollback, and the training
+core's in-process rollback restores from the memory ring. Measured per anomaly: from the end of the
+anomalous step (the detector fires right after it) to the end of the first resumed step. After the last
+anomaly's resumed step the run stops (no final checkpoint) and a plain `torch.save` of the same state is
+written for the naive baseline.
 
 `relaunch`: a fresh process on a plan naming the checkpoint, as the supervisor would start it; wall-clock
 marks at import, build, session set-up, restore and the first step, then it stops.
@@ -23,7 +23,6 @@ STARTED = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -113,12 +112,9 @@ def timed_session(base: type, anomalies: int) -> type:
             self.bench["registered"].update(stateful)
             super().register(**stateful)
 
-        def _handle_anomaly(self, event: Any) -> None:
-            detected = time.monotonic()
-            super()._handle_anomaly(event)
-            self._resume = (detected, time.monotonic())
+        def _after_step(self, max_steps: int) -> Any:
+            from supervisor.runtime.actions import Rollback
 
-        def _after_step(self, max_steps: int) -> None:
             done = time.monotonic()
             if self._resume is not None:
                 detected, restored = self._resume
@@ -127,12 +123,15 @@ def timed_session(base: type, anomalies: int) -> type:
                     {"total_s": done - detected, "handler_s": restored - detected, "step_s": done - restored}
                 )
                 if len(self.bench["anomalies"]) >= anomalies:
-                    self._stop_signal, self._stop_reason = signal.SIGUSR2, "benchmark done"
-                    return
+                    self.request_stop("benchmark done")
+                    return None
             elif self._prev_end is not None and self.step > 1:
                 self.bench["steps_s"].append(done - self._prev_end)
-            super()._after_step(max_steps)
+            action = super()._after_step(max_steps)
+            if isinstance(action, Rollback):  # the detector fired and the core rolled back within that call
+                self._resume = (done, time.monotonic())
             self._prev_end = time.monotonic()
+            return action
 
     return TimedSession
 
@@ -229,7 +228,7 @@ def relaunch(out: Path, charlm_argv: list[str]) -> None:
 
         def _after_step(self, max_steps: int) -> None:
             marks["done"], marks["step"] = time.time(), self.step
-            self._stop_signal, self._stop_reason = signal.SIGUSR2, "benchmark done"
+            self.request_stop("benchmark done")
 
     charlm.build, charlm.Session = timed_build, Probe
     charlm.main(charlm_argv)

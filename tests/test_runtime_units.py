@@ -108,10 +108,15 @@ def test_bad_lineage_names_are_user_errors(bad):
 
 def test_plan_round_trips_through_json(tmp_path: Path):
     plan = LaunchPlan(
-        lineage="l", workdir=str(tmp_path), checkpoint_dir=str(tmp_path / "c"), tracking_uri="sqlite:///x.db",
+        lineage="l",
+        workdir=str(tmp_path),
+        checkpoint_dir=str(tmp_path / "c"),
+        tracking_uri="sqlite:///x.db",
         restore=RestoreSpec("0000000020-000002", skip_batches=7, lr_scale=0.5, rollback=True),
-        history={"entries": []}, supervisor_pid=123, lineage_seconds=4321.5,
-    )  # fmt: skip
+        history={"entries": []},
+        supervisor_pid=123,
+        lineage_seconds=4321.5,
+    )
     assert LaunchPlan.read(plan.write(tmp_path / "plan.json")) == plan
 
 

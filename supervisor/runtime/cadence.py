@@ -1,22 +1,30 @@
-"""When to checkpoint: every N steps, every T seconds, or adaptively (Young/Daly). Pure; the caller passes time."""
+"""The save cadence's record: last save, step time, save cost and failure rate, fed to a SavePolicy.
+
+Pure: the caller passes the time. What decides is `supervisor.runtime.save_policy`; this keeps what the
+decision context is built from.
+"""
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.events import METRIC_EVENTS
+from supervisor.runtime.save_policy import (
+    MIN_OBSERVED_S,
+    Adaptive,
+    SaveContext,
+    SavePolicy,
+    build_save_policy,
+    young_daly_interval,
+)
 
-#: The least lineage time the failure rate is estimated over: a run seconds old has not yet shown that it is
-#: reliable, but checkpointing as if it failed every few seconds would cost more than it could save.
-MIN_OBSERVED_S = 60.0
+__all__ = ["MIN_OBSERVED_S", "Cadence", "estimate_mtbf", "failures_in", "young_daly_interval"]
 
-
-def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """The first-order optimal checkpoint interval, sqrt(2 * C * MTBF) (Young 1974, Daly 2006)."""
-    return math.sqrt(2.0 * max(save_cost_s, 1e-6) * max(mtbf_s, 1e-6))
+#: How many recent steps the step time is averaged over.
+STEP_WINDOW = 50
+#: Weight of the newest measurement in the smoothed save cost.
+SAVE_COST_WEIGHT = 0.3
 
 
 def estimate_mtbf(observed_s: float, failures: int) -> float:
@@ -36,28 +44,35 @@ def failures_in(history: Any) -> int:
     return sum(1 for e in history if e.event.type not in METRIC_EVENTS)
 
 
-@dataclass
 class Cadence:
-    """Decides whether a checkpoint is due after a step.
+    """Decides whether a checkpoint is due after a step, by a SavePolicy over what it has measured.
 
-    With `adaptive`, the interval in seconds is Young/Daly from the measured save cost (what training is
-    blocked per save) and the failure rate (`failures` seen in the lineage's running time so far, of which
-    `observed_s` passed in earlier segments), converted to steps with the measured step time and capped by
-    `every_steps`. A segment that has not saved yet saves after its first timed step, to measure the cost.
+    With `adaptive`, the interval is Young/Daly from the measured save cost (what training is blocked per
+    save) and the failure rate (`failures` seen in the lineage's running time so far, of which `observed_s`
+    passed in earlier segments), converted to steps with the measured step time and capped by `every_steps`.
+    Not thread-safe: the training thread owns it.
     """
 
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    adaptive: bool = False
-    failures: int = 0
-    observed_s: float = 0.0
-    _started: float | None = None
-    _last_step: int = 0
-    _last_time: float | None = None
-    _save_cost: float | None = None
-    _step_time: float | None = None
-    _prev_time: float | None = field(default=None, repr=False)
-    _recent: deque = field(default_factory=lambda: deque(maxlen=50), repr=False)
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        adaptive: bool = False,
+        failures: int = 0,
+        observed_s: float = 0.0,
+        *,
+        policy: SavePolicy | None = None,
+    ):
+        self.every_steps, self.every_seconds, self.adaptive = every_steps, every_seconds, adaptive
+        self.failures, self.observed_s = failures, observed_s
+        self.policy = policy or build_save_policy(every_steps, every_seconds, adaptive)
+        self._started: float | None = None
+        self._last_step = 0
+        self._last_time: float | None = None
+        self._save_cost: float | None = None
+        self._step_time: float | None = None
+        self._prev_time: float | None = None
+        self._recent: deque[float] = deque(maxlen=STEP_WINDOW)
 
     def start(self, step: int, now: float) -> None:
         """(Re)start counting at `step` (after a restore); the segment's age keeps counting from the first start."""
@@ -71,35 +86,48 @@ class Cadence:
         return estimate_mtbf(self.observed_s + max(0.0, since), self.failures)
 
     def observe_step(self, now: float) -> None:
+        """A step ended at `now`."""
         if self._prev_time is not None and now > self._prev_time:
             self._recent.append(now - self._prev_time)
             self._step_time = sum(self._recent) / len(self._recent)
         self._prev_time = now
 
     def observe_save(self, blocked_s: float) -> None:
-        self._save_cost = blocked_s if self._save_cost is None else 0.7 * self._save_cost + 0.3 * blocked_s
-
-    def interval_steps(self, now: float) -> int | None:
-        """The step interval at `now` (adaptive or fixed); None when only time triggers saves."""
-        if not self.adaptive or not self._step_time:
-            return self.every_steps
+        """A save blocked training for `blocked_s`."""
         if self._save_cost is None:
-            return 1  # save once now, to measure what a save costs, rather than wait for the cap
-        seconds = young_daly_interval(self._save_cost, self.mtbf_s(now))
-        steps = max(1, round(seconds / self._step_time))
-        return min(steps, self.every_steps) if self.every_steps else steps
-
-    def due(self, step: int, now: float) -> bool:
-        interval = self.interval_steps(now)
-        by_steps = interval is not None and step - self._last_step >= interval
-        by_time = (
-            self.every_seconds is not None
-            and self._last_time is not None
-            and now - self._last_time >= self.every_seconds
-        )
-        if self.adaptive or self.every_seconds is not None:
-            return by_steps or by_time
-        return interval is not None and step % interval == 0
+            self._save_cost = blocked_s
+        else:
+            self._save_cost = (1 - SAVE_COST_WEIGHT) * self._save_cost + SAVE_COST_WEIGHT * blocked_s
 
     def saved(self, step: int, now: float) -> None:
         self._last_step, self._last_time = step, now
+
+    def context(
+        self, step: int, now: float, *, writing: bool = False, stopping: bool = False, final: bool = False
+    ) -> SaveContext:
+        """The decision context for `step` ending at `now`."""
+        return SaveContext(
+            step=step,
+            now=now,
+            last_save_step=self._last_step,
+            last_save_time=self._last_time,
+            writing=writing,
+            stopping=stopping,
+            final=final,
+            step_time_s=self._step_time,
+            save_cost_s=self._save_cost,
+            mtbf_s=self.mtbf_s(now),
+        )
+
+    def interval_steps(self, now: float) -> int | None:
+        """The step interval at `now` (adaptive or fixed); None when only time triggers saves."""
+        if not self.adaptive:
+            return self.every_steps
+        return Adaptive(self.every_steps).interval_steps(self.context(self._last_step, now))
+
+    def due(
+        self, step: int, now: float, *, writing: bool = False, stopping: bool = False, final: bool = False
+    ) -> bool:
+        return self.policy.should_save(
+            self.context(step, now, writing=writing, stopping=stopping, final=final)
+        )

@@ -14,8 +14,7 @@ import json
 import logging
 import os
 import struct
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,42 +169,23 @@ class ReadOnlyCheckpoints:
         log.info("rank restored checkpoint %s (read-only)", checkpoint_id)
         return info
 
-    def save(self, step: int, **_: Any) -> None:
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: dict[str, float] | None = None,
+        force: bool = False,
+        before_commit: Callable[[], Any] | None = None,
+        rank_states: dict[str, Any] | None = None,
+    ) -> None:
         """Rank 0 writes; this rank only took part in gathering its state."""
+
+    def writing(self) -> bool:
+        """Never: this rank writes nothing."""
+        return False
 
     def wait(self) -> None:
         """Nothing is ever pending on a read-only rank."""
 
     def close(self) -> None:
         """Nothing to release: a read-only rank holds no lock."""
-
-
-class NullMetrics:
-    """The metric logger of a rank that does not log (only rank 0 talks to MLflow)."""
-
-    def start(self) -> None:
-        pass
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def flush(self, timeout: float = 30.0) -> bool:
-        return True
-
-    def barrier(self) -> threading.Event:
-        done = threading.Event()
-        done.set()
-        return done
-
-    def close(self, timeout: float = 30.0) -> None:
-        pass
-
-    def connection(self, timeout: float = 0.0) -> tuple[None, None]:
-        return None, None
-
-
-class NullHeartbeat:
-    """The heartbeat of a rank that does not beat (rank 0's stops when any rank stalls a collective)."""
-
-    def beat(self, step: int, phase: str = "train") -> None:
-        pass

@@ -85,10 +85,16 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], fired_path: Path, rank: int = 0):
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
         self.fired_path = fired_path_for(fired_path, rank)
-        self.fired: set[str] = (
-            set(json.loads(self.fired_path.read_text())) if self.fired_path.exists() else set()
-        )
+        self._fired: set[str] | None = None  # read on first use: no I/O when the injector is built
         self._saved_lrs: list[list[float]] | None = None
+
+    @property
+    def fired(self) -> set[str]:
+        """The faults of this lineage that already fired (on this rank)."""
+        if self._fired is None:
+            path = self.fired_path
+            self._fired = set(json.loads(path.read_text())) if path.exists() else set()
+        return self._fired
 
     @classmethod
     def from_env(cls, fired_path: Path, rank: int = 0) -> FaultInjector:

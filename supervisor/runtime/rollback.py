@@ -1,0 +1,102 @@
+"""The in-process rollback: an anomaly seen in training is decided by the policy and, if it says roll back to a
+checkpoint this process can reach, undone here without a restart.
+
+The target comes from the memory ring when the ring holds it (without waiting for writes in flight: their
+snapshots are restorable already), else from disk. Every later checkpoint is abandoned, committed or not.
+Anything else the policy says (a rollback with no target, resume, stop, fail) is left to the supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from supervisor.checkpoint import CheckpointInfo
+from supervisor.errors import CheckpointNotFound
+from supervisor.events import Event
+from supervisor.runtime.reporter import EventReporter
+from supervisor.runtime.save_failures import SaveFailures
+from supervisor.runtime.seams import CheckpointStore
+from supervisor.runtime.wiring import to_records
+
+log = logging.getLogger("rollback_supervisor.session")
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """A rollback done in process: the state is `info`'s; the decision's skip and LR scale are still to apply."""
+
+    info: CheckpointInfo
+    decision: Any
+
+
+class InProcessRollback:
+    """Decides each anomaly with the policy engine and carries out the rollbacks it can; keeps the history.
+
+    Not thread-safe: the training thread calls it.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        history: Any,
+        failures: SaveFailures,
+        reporter: EventReporter,
+        *,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ):
+        self.policy, self.history = policy, history
+        self._failures, self._reporter = failures, reporter
+        self._clock, self._monotonic = clock, monotonic
+        self.count = 0
+
+    def handle(self, store: CheckpointStore, event: Event, step: int) -> RolledBack | None:
+        """Roll back for `event` if the policy says so and the target is here; None: reported, not handled."""
+        from policies import decide
+
+        # Writes in flight included: never waited for (ARCHITECTURE.md).
+        known = self._failures.despite(step, store.candidates)
+        decision = decide(
+            self.policy, event, self.history, to_records(known), now=self._clock(), in_process=True
+        )
+        log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
+        if decision.action != "rollback" or decision.target_id is None:
+            self._reporter.anomaly(event, decision, handled=False)
+            return None
+        t0 = self._monotonic()
+        target = next(i for i in known if i.id == decision.target_id)
+        store.protect([target.id])  # retention on the writer thread must not delete it meanwhile
+        try:
+            info, in_ring = self._restore_target(store, target, step)
+            self._failures.despite(step, store.abandon_after, info, wait=False)
+        finally:
+            store.unprotect([target.id])
+        self.history = self.history.record(event, decision, self._clock())
+        self.count += 1
+        self._reporter.anomaly(
+            event,
+            decision,
+            handled=True,
+            restore_s=self._monotonic() - t0,
+            tier="memory" if in_ring else "local",
+        )
+        return RolledBack(info, decision)
+
+    def left_to_supervisor(self, event: Event) -> None:
+        """Report an anomaly this process does not decide (under DDP every one): the supervisor does."""
+        self._reporter.anomaly(event, None, handled=False)
+
+    def _restore_target(
+        self, store: CheckpointStore, target: CheckpointInfo, step: int
+    ) -> tuple[CheckpointInfo, bool]:
+        """From the memory ring without waiting for writes; from disk if the ring no longer holds it."""
+        if "memory" in target.tiers:
+            try:
+                return self._failures.despite(step, store.restore_memory, target, wait=False), True
+            except CheckpointNotFound:  # committed and dropped from the ring since it was listed
+                pass
+        return self._failures.despite(step, store.restore, target), False
