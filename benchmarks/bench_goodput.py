@@ -125,8 +125,17 @@ def main(
         workdir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="rbs-bench-goodput-", dir=workdir))
     try:
-        results = run(scratch, configs=configs, variants=variants, minutes=minutes, rate_per_min=rate, seed=seed,
-                      size=size, threads=threads, say=lambda m: typer.echo(m, err=True))  # fmt: skip
+        results = run(
+            scratch,
+            configs=configs,
+            variants=variants,
+            minutes=minutes,
+            rate_per_min=rate,
+            seed=seed,
+            size=size,
+            threads=threads,
+            say=lambda m: typer.echo(m, err=True),
+        )
     finally:
         if workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -18,11 +18,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.common import QUIET_ENV, REPO, BenchRunError
 from benchmarks.goodput_accounting import SegmentSample, account, arrivals
 from benchmarks.goodput_train import COUNTERS_ENV, counter_path, read_counter
+
+if TYPE_CHECKING:
+    from policies import Decision
+    from supervisor.lineage import LineageRecord
+    from supervisor.orchestrator import LineageRunner, Outcome
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
@@ -79,7 +84,7 @@ class Preemptor(threading.Thread):
     preemption is never spent on a process that is already going away.
     """
 
-    def __init__(self, runner: Any, t0: float, offsets: list[float], deadline: float, sig: int):
+    def __init__(self, runner: LineageRunner, t0: float, offsets: list[float], deadline: float, sig: int):
         super().__init__(name="preemptor", daemon=True)
         self.runner, self.t0, self.offsets, self.deadline, self.sig = runner, t0, offsets, deadline, sig
         self.signalled: dict[int, float] = {}  # pid -> first signal time
@@ -91,9 +96,9 @@ class Preemptor(threading.Thread):
         self._stop_event.set()
 
     def _live_pid(self, fresh: bool) -> int | None:
-        segments = self.runner.record.get("segments") or []
+        segments = self.runner.record.segments
         seg = segments[-1] if segments else None
-        pid = seg.get("pid") if seg and seg.get("ended") is None else None
+        pid = seg.pid if seg is not None and seg.ended is None else None
         return None if pid is None or (fresh and pid in self.signalled) else pid
 
     def _send(self, pid: int, sig: int) -> None:
@@ -138,15 +143,26 @@ def run_config(
     threads: int | None,
 ) -> dict[str, Any]:
     """One lineage for `minutes` of wall time under Poisson preemptions; its steps and time buckets."""
-    from supervisor.orchestrator import LineageRunner, RunOptions
+    from supervisor.orchestrator import LineageRunner, Outcome, RunOptions
 
     lineage = f"{config.name}-{variant}"
     counters = workdir / "counters" / lineage
     counters.mkdir(parents=True, exist_ok=True)
     policy = workdir / f"{lineage}.yaml"
     policy.write_text(policy_text(config))
-    command = (sys.executable, "-m", "benchmarks.goodput_train", "--size", size, "--steps", "1000000000",
-               "--eval-every", "100") + (("--threads", str(threads)) if threads else ())  # fmt: skip
+    command = (
+        sys.executable,
+        "-m",
+        "benchmarks.goodput_train",
+        "--size",
+        size,
+        "--steps",
+        "1000000000",
+        "--eval-every",
+        "100",
+    )
+    if threads:
+        command += ("--threads", str(threads))
     env = {
         **QUIET_ENV,
         COUNTERS_ENV: str(counters),
@@ -154,45 +170,55 @@ def run_config(
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
     }
     options = RunOptions(
-        command=command, policy_path=str(policy), lineage=lineage, workdir=workdir, env=env,
-        stop_grace_seconds=60, cwd=str(REPO),
-    )  # fmt: skip
-    runner = LineageRunner(options, sleep=lambda _: None)
-    runner.open()
+        command=command,
+        policy_path=str(policy),
+        lineage=lineage,
+        workdir=workdir,
+        env=env,
+        stop_grace_seconds=60,
+        cwd=str(REPO),
+    )
     budget = minutes * 60.0
     offsets = arrivals(rate_per_min, budget, random.Random(seed))
-    t0 = time.time()
-    preemptor = Preemptor(runner, t0, offsets, t0 + budget, SIGNALS[variant])
-    preemptor.start()
-    try:
-        while True:
-            decision = runner.conclude(runner.run_segment())
+    with LineageRunner(options, sleep=lambda _: None) as runner:
+        runner.open()
+        t0 = time.time()
+        preemptor = Preemptor(runner, t0, offsets, t0 + budget, SIGNALS[variant])
+
+        def after_segment(decision: Decision | None, record: LineageRecord) -> Outcome | None:
             if preemptor.over.is_set() or time.time() >= t0 + budget:
-                break
+                return Outcome("stopped", "goodput benchmark budget spent")
             if decision is None or decision.action != "resume":
                 raise BenchRunError(f"{lineage}: expected a resume after a preemption, got {decision}")
-    finally:
-        preemptor.stop()
-        preemptor.join()
+            return None
+
+        preemptor.start()
         try:
-            record = runner.finish("stopped", "goodput benchmark budget spent")
+            record = runner.supervise(on_decision=after_segment)
         finally:
-            runner.close()
+            preemptor.stop()
+            preemptor.join()
     t_end = t0 + budget
     catalog = runner.catalog()
     latest = catalog.latest() if catalog is not None else None
     samples = [
         SegmentSample(
-            launched=seg["started"],
-            ended=seg["ended"],
-            signalled=preemptor.signalled.get(seg["pid"]),
-            counter=read_counter(counter_path(counters, seg["pid"])),
+            launched=seg.started,
+            ended=seg.ended,
+            signalled=preemptor.signalled.get(seg.pid),
+            counter=read_counter(counter_path(counters, seg.pid)),
         )
-        for seg in record["segments"]
-        if seg.get("pid")
+        for seg in record.segments
+        if seg.pid
     ]
-    figures = account(samples, t0, t_end, graceful=variant == "term", useful_steps=latest.step if latest else 0,
-                      rate_per_min=rate_per_min)  # fmt: skip
+    figures = account(
+        samples,
+        t0,
+        t_end,
+        graceful=variant == "term",
+        useful_steps=latest.step if latest else 0,
+        rate_per_min=rate_per_min,
+    )
     return {
         "config": config.name,
         "every_steps": config.every_steps,
@@ -226,10 +252,20 @@ def run(
         for variant in variants:
             for config in configs:
                 say(f"{config.name} ({variant}): {minutes:g} min at {rate_per_min:g} preemptions/min")
-                res = run_config(config, workdir=workdir, variant=variant, minutes=minutes,
-                                 rate_per_min=rate_per_min, seed=seed, size=size, threads=threads)  # fmt: skip
-                say(f"  goodput {res['goodput']:.3f}: {res['useful_steps']} useful of {res['executed_steps']} "
-                    f"steps, {res['preemptions']} preemptions")  # fmt: skip
+                res = run_config(
+                    config,
+                    workdir=workdir,
+                    variant=variant,
+                    minutes=minutes,
+                    rate_per_min=rate_per_min,
+                    seed=seed,
+                    size=size,
+                    threads=threads,
+                )
+                say(
+                    f"  goodput {res['goodput']:.3f}: {res['useful_steps']} useful of "
+                    f"{res['executed_steps']} steps, {res['preemptions']} preemptions"
+                )
                 results.append(res)
     finally:
         quiet.setLevel(level)

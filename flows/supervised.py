@@ -3,74 +3,99 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from supervisor.orchestrator import LineageRunner, RunOptions, SegmentResult, default_lineage, python_command
+from supervisor.lineage import LineageRecord
+from supervisor.orchestrator import LineageRunner, Outcome, RunOptions, default_lineage, python_command
+
+T = TypeVar("T")
+#: Task names of the runner's steps, as Prefect shows them.
+STEP_TASKS = ("open_lineage", "run_segment", "decide_next", "finish_lineage")
 
 
-@task(cache_policy=NO_CACHE)
-def open_lineage(runner: LineageRunner) -> dict[str, Any]:
-    """Take the lineage lease and load (or create) its durable record."""
-    return runner.open()
+class TaskSteps:
+    """Runs each step of `LineageRunner.supervise` as a Prefect task, and logs segment output to its task run.
+
+    Output lines arrive on the launcher's reader threads, outside any Prefect context: they go to the logger
+    of the task run that launched the segment, captured when it starts.
+    """
+
+    def __init__(self) -> None:
+        self._logger: logging.Logger | logging.LoggerAdapter | None = None
+
+    def __call__(self, name: str, fn: Callable[[], T], run_name: str | None = None) -> T:
+        def body() -> T:
+            self._logger = get_run_logger()
+            return fn()
+
+        body.__name__ = body.__qualname__ = name
+        body.__doc__ = _STEP_DOCS.get(name)
+        return task(body, name=name, task_run_name=run_name or name, cache_policy=NO_CACHE)()
+
+    def line(self, stream: str, line: str) -> None:
+        if self._logger is not None:
+            self._logger.info("%s", line)
 
 
-@task(cache_policy=NO_CACHE)
-def run_segment(runner: LineageRunner) -> SegmentResult:
-    """Run one training segment as a subprocess, streaming its output into the Prefect logs."""
-    logger = get_run_logger()
-    return runner.run_segment(on_line=lambda stream, line: logger.info("%s", line))
-
-
-@task(cache_policy=NO_CACHE)
-def decide_next(runner: LineageRunner, result: SegmentResult):
-    """Classify how the segment ended and ask the policy what to do."""
-    return runner.conclude(result)
+_STEP_DOCS = {
+    "open_lineage": "Take the lineage lease and load (or create) its durable record.",
+    "run_segment": "Run one training segment, streaming its output into the Prefect logs.",
+    "decide_next": "Classify how the segment ended and ask the policy what to do.",
+    "finish_lineage": "Record the outcome and the final checkpoint, and close the MLflow run.",
+}
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def publish(runner: LineageRunner, decision_dict: dict[str, Any] | None) -> None:
+def publish(lineage: str, table: str, decision: dict[str, Any] | None) -> None:
     """Versioned event table (stable artifact key per lineage) and a Prefect event per decision."""
-    from supervisor.report import markdown_table
-
-    lineage = runner.record["lineage"]
     create_markdown_artifact(
         key=artifact_key(lineage),
-        markdown=markdown_table(runner.record),
+        markdown=table,
         description=f"rollback-supervisor: {lineage}",
     )
-    if decision_dict is not None:
+    if decision is not None:
         emit_event(
-            event=f"rollback-supervisor.{decision_dict['action']}",
+            event=f"rollback-supervisor.{decision['action']}",
             resource={
                 "prefect.resource.id": f"rollback-supervisor.lineage.{lineage}",
                 "prefect.resource.name": lineage,
             },
-            payload=decision_dict,
+            payload=decision,
         )
 
 
 @task(cache_policy=NO_CACHE)
-def finish_lineage(runner: LineageRunner, status: str, reason: str) -> dict[str, Any]:
-    """Record the outcome, write the MLflow report (events.json, loss plot, tags), release the lease."""
+def write_report(record: dict[str, Any], lineage_dir: str) -> None:
+    """The MLflow report (events.json, loss plot, tags) and its local copies; a failure is only a warning."""
+    from mlflow.tracking import MlflowClient
+
     from supervisor.report import events_document, fetch_points, plot_lineage, write_mlflow_report
 
-    record = runner.finish(status, reason)
+    run = record["mlflow"]
     try:
-        points = fetch_points(runner.tracking_uri, record["mlflow"]["run_id"])
-        write_mlflow_report(runner.client, record["mlflow"]["run_id"], record, points)
-        plot_lineage(record, points, runner.layout.local / "loss.png")
-        (runner.layout.local / "events.json").write_text(json.dumps(events_document(record), indent=2))
+        points = fetch_points(run["tracking_uri"], run["run_id"])
+        client = MlflowClient(tracking_uri=run["tracking_uri"])
+        write_mlflow_report(client, run["run_id"], record, points)
+        plot_lineage(record, points, Path(lineage_dir) / "loss.png")
+        (Path(lineage_dir) / "events.json").write_text(json.dumps(events_document(record), indent=2))
     except Exception as exc:  # a report failure must not turn a recovered run into a failed one
         get_run_logger().warning("could not write the MLflow report: %s", exc)
-    return record
+
+
+def _publish(record: LineageRecord, decision: dict[str, Any] | None) -> None:
+    from supervisor.report import markdown_table
+
+    publish(record.lineage, markdown_table(record), decision)
 
 
 def artifact_key(lineage: str) -> str:
@@ -107,43 +132,17 @@ def supervised_training(
         env=dict(env or {}),
         lease_owner=lease_owner or "",
     )
-    runner = LineageRunner(options)
-    try:
-        open_lineage(runner)
-        status, reason = "failed", f"gave up after {max_segments} segments"
-        pending = runner.pending  # the previous supervisor vanished mid-segment: that spends budget too
-        if pending is not None and pending.action in ("stop", "fail"):
-            status, reason, max_segments = (
-                ("stopped" if pending.action == "stop" else "failed"),
-                pending.reason,
-                0,
-            )
-        elif pending is not None and pending.delay_seconds > 0:
-            runner.sleep(pending.delay_seconds)  # a crash loop through Prefect re-runs still backs off
-        for _ in range(max_segments):
-            result = run_segment.with_options(task_run_name=f"segment-{len(runner.record['segments'])}")(
-                runner
-            )
-            decision = decide_next(runner, result)
-            publish(runner, decision.to_dict() if decision else None)
-            if decision is None:
-                outcome = runner.record["segments"][-1]["outcome"]
-                status = "finished" if outcome == "finished" else "stopped"
-                reason = "training finished" if status == "finished" else "training stopped"
-                break
-            if decision.action == "stop":
-                status, reason = "stopped", decision.reason
-                break
-            if decision.action == "fail":
-                status, reason = "failed", decision.reason
-                break
-            if decision.delay_seconds > 0:
-                runner.sleep(decision.delay_seconds)
-        record = finish_lineage(runner, status, reason)
-        publish(runner, None)
-    finally:
-        runner.close()
-    return summarize(record, runner.layout.local)
+    steps = TaskSteps()
+
+    def on_decision(decision, record: LineageRecord) -> Outcome | None:
+        _publish(record, decision.to_dict() if decision else None)
+        return None
+
+    with LineageRunner(options) as runner:
+        record = runner.supervise(on_line=steps.line, on_decision=on_decision, step=steps)
+        write_report(record.to_dict(), str(runner.layout.local))
+        _publish(record, None)
+    return summarize(record.to_dict(), runner.layout.local)
 
 
 def summarize(record: dict[str, Any], lineage_dir: Path) -> dict[str, Any]:

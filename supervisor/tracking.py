@@ -8,11 +8,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from mlflow.tracking import MlflowClient
+
+from supervisor.lineage.record import LineageRecord
 
 log = logging.getLogger("rollback_supervisor.tracking")
 
@@ -117,28 +119,30 @@ def start_run(
 
 
 def adopt_tracking(
-    record: dict[str, Any], requested: str | None, workdir: Path, policy: str
+    record: LineageRecord, requested: str | None, workdir: Path, policy: str
 ) -> tuple[str, MlflowClient]:
     """Point a resumed record at a store reachable from here; open a new run there if its run is elsewhere.
 
-    The run the lineage had is kept in `record["mlflow_previous"]`, so its earlier metrics stay findable.
+    The run the lineage had is kept in `record.mlflow_previous`, so its earlier metrics stay findable.
     """
-    old = dict(record["mlflow"])
-    uri = choose_tracking_uri(old.get("tracking_uri"), requested, default_tracking_uri(workdir))
+    old = record.mlflow
+    uri = choose_tracking_uri(old.tracking_uri, requested, default_tracking_uri(workdir))
     client = MlflowClient(tracking_uri=uri)
-    if uri == old.get("tracking_uri") or _has_run(client, old.get("run_id")):
-        record["mlflow"] = {**old, "tracking_uri": uri}
+    if uri == old.tracking_uri or _has_run(client, old.run_id):
+        record.mlflow = replace(old, tracking_uri=uri)
         return uri, client
-    run_id = start_run(
-        client, old.get("experiment") or "rollback-supervisor", record["lineage"], policy, workdir
-    )
-    record.setdefault("mlflow_previous", []).append({**old, "left_at": time.time()})
-    record["mlflow"] = {**old, "tracking_uri": uri, "run_id": run_id}
+    run_id = start_run(client, old.experiment or "rollback-supervisor", record.lineage, policy, workdir)
+    record.mlflow_previous = [*(record.mlflow_previous or []), {**old.to_dict(), "left_at": time.time()}]
+    record.mlflow = replace(old, tracking_uri=uri, run_id=run_id)
     log.warning(
         "lineage %s: its MLflow run %s lives in %s, which is not reachable from here; logging to a new run "
         "%s in %s (the old run is kept in the record as mlflow_previous)",
-        record["lineage"], old.get("run_id"), old.get("tracking_uri"), run_id, uri,
-    )  # fmt: skip
+        record.lineage,
+        old.run_id,
+        old.tracking_uri,
+        run_id,
+        uri,
+    )
     return uri, client
 
 

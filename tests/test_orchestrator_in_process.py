@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from supervisor.events import Event
+from supervisor.lineage import SegmentRecord
 from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.flowkit import FAST_POLICY
 
@@ -26,7 +27,7 @@ def test_an_in_process_report_covers_the_same_anomaly_on_another_metric(tmp_path
 
         def seen(kind: str, metric: str, onset: int) -> bool:
             event = Event(type=kind, reason="monitor", metric=metric, onset_step=onset, step=onset)
-            return runner._handled_in_process(event, wait_s=0)
+            return runner.events.reported(event, runner.record.events_offset, wait_s=0)
 
         assert seen("non_finite", "grad_norm", 46)  # the same NaN step, seen on the grad norm first
         assert seen("non_finite", "loss", 47)
@@ -74,10 +75,10 @@ def test_one_incident_on_two_metrics_gets_one_decision(tmp_path: Path):
         )
         path = runner.layout.local / "events.jsonl"
         path.write_bytes(_line(spike, decision.to_dict(), True) + _line(threshold, None, False))
-        seg = {"in_process": []}
-        assert runner._merge_reported(seg) is None
+        seg = SegmentRecord(index=0, started=0.0)
+        assert runner.decisions.fold_reports(runner.record, seg) is None
         assert [e.decision.action for e in runner.history.entries] == ["rollback"]
-        assert seg["in_process"][1]["part_of_incident"] is True
+        assert seg.in_process[1]["part_of_incident"] is True
     finally:
         runner.close()
 
@@ -91,14 +92,14 @@ def test_events_file_is_read_by_offset_and_survives_torn_and_bad_lines(tmp_path:
         path.write_bytes(
             b"\n\n" + _line(a, None, False) + b"not json\n" + b'{"event": [1]}\n' + _line(b, None, False)[:20]
         )
-        records, offset = runner._events_since(0)
+        records, offset = runner.events.since(0)
         assert [r["event"]["reason"] for r in records] == ["a"]  # blank and malformed lines skipped
         assert offset == path.stat().st_size - 20  # the torn last line is left for later
         with path.open("ab") as f:
             f.write(_line(b, None, False)[20:])
-        more, end = runner._events_since(offset)
+        more, end = runner.events.since(offset)
         assert [r["event"]["reason"] for r in more] == ["b"] and end == path.stat().st_size
-        assert runner._events_since(end) == ([], end)
+        assert runner.events.since(end) == ([], end)
     finally:
         runner.close()
 
@@ -164,7 +165,7 @@ def test_a_failure_after_launch_never_leaks_the_training_process(tmp_path: Path)
         runner.tracking_uri = "bogus-scheme://nowhere"  # the monitor cannot be built for this store
         with pytest.raises(MetricsSourceError):
             runner.run_segment()
-        pid = runner.record["segments"][-1]["pid"]
+        pid = runner.record.segments[-1].pid
         assert pid is not None and not psutil.pid_exists(pid)
     finally:
         runner.close()

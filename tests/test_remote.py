@@ -274,14 +274,14 @@ def fake_segment_on(machine: Path, lineage: str, tracking_uri: str | None) -> di
         workdir=machine,
         tracking_uri=tracking_uri,
         stop_grace_seconds=5,
+        max_segments=1,
     )
-    runner = LineageRunner(options, sleep=lambda s: None)
-    runner.open()
-    try:
-        assert runner.conclude(runner.run_segment()) is None
-        return runner.finish("finished", "done")
-    finally:
-        runner.close()
+
+    def ended_by_itself(decision, record) -> None:
+        assert decision is None
+
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        return runner.supervise(on_decision=ended_by_itself).to_dict()
 
 
 @pytest.mark.e2e

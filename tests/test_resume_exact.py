@@ -27,18 +27,14 @@ def supervise(workdir: Path, faults: str) -> tuple[dict, LineageRunner]:
         workdir=workdir,
         stop_grace_seconds=10,
         env={"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {},
+        max_segments=5,
     )
-    runner = LineageRunner(options, sleep=lambda s: None)
-    runner.open()
-    try:
-        for _ in range(5):
-            decision = runner.conclude(runner.run_segment())
-            if decision is None:
-                break
-            assert decision.action == "resume", decision.reason
-        record = runner.finish("finished", "done")
-    finally:
-        runner.close()
+
+    def only_resumes(decision, record) -> None:
+        assert decision is None or decision.action == "resume", decision.reason
+
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise(on_decision=only_resumes).to_dict()
     result = {"tracking_uri": record["mlflow"]["tracking_uri"], "mlflow_run_id": record["mlflow"]["run_id"]}
     return {**record, "result": result}, runner
 

@@ -78,16 +78,10 @@ def run(tmp_path_factory) -> dict:
         workdir=workdir,
         stop_grace_seconds=10,
         env={"ROLLBACK_SUPERVISOR_FAULTS": f"nan@{NAN_AT},kill@{KILL_AT}"},
+        max_segments=4,
     )
-    runner = LineageRunner(options, sleep=lambda s: None)
-    runner.open()
-    try:
-        for _ in range(4):
-            if runner.conclude(runner.run_segment()) is None:
-                break
-        record = runner.finish("finished", "done")
-    finally:
-        runner.close()
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise().to_dict()
     return {"workdir": workdir, "record": record}
 
 

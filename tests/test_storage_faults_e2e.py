@@ -104,7 +104,7 @@ def test_a_failed_emergency_save_is_reported_and_the_supervisor_resumes_from_the
         (disk.path / "filler").unlink()  # the disk has room again before the relaunch
         second = runner.run_segment()
         assert runner.conclude(second) is None
-        record = runner.finish("finished", "training finished")
+        record = runner.finish("finished", "training finished").to_dict()
     finally:
         runner.close()
 

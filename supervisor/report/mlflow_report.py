@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import SupervisorError
+from supervisor.lineage.record import RecordLike, as_json
 from supervisor.report.plot import plot_lineage
 from supervisor.report.timeline import Point, counts, jsonable, report_tags, timeline_rows
 
@@ -38,8 +39,9 @@ def fetch_points(
         ) from exc
 
 
-def events_document(record: dict[str, Any]) -> dict[str, Any]:
+def events_document(record: RecordLike) -> dict[str, Any]:
     """The events.json content: summary fields, the timeline rows and the raw segments, as strict JSON."""
+    record = as_json(record)
     return jsonable(
         {
             "lineage": record.get("lineage"),
@@ -54,9 +56,10 @@ def events_document(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_mlflow_report(
-    client: Any, run_id: str, record: dict[str, Any], points: dict[str, list[Point]]
+    client: Any, run_id: str, record: RecordLike, points: dict[str, list[Point]]
 ) -> dict[str, str]:
     """Log events.json and loss.png to the run and set its rollback.* tags; returns the tags set."""
+    record = as_json(record)
     from mlflow.entities import RunTag
 
     text = json.dumps(events_document(record), indent=2, allow_nan=False)

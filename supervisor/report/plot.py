@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from supervisor.lineage.record import RecordLike, as_json
 from supervisor.report.timeline import Point, runs, split_branches, summary_line, timeline_rows
 
 SERIES = {"loss": "tab:blue", "val_loss": "tab:green"}
@@ -26,14 +27,13 @@ LEGEND_ORDER = (
 )
 
 
-def plot_lineage(
-    record: dict[str, Any], points: dict[str, list[Point]], path: str | os.PathLike[str]
-) -> Path:
+def plot_lineage(record: RecordLike, points: dict[str, list[Point]], path: str | os.PathLike[str]) -> Path:
     """Write the lineage's loss (and val_loss) versus step as a PNG at `path`; returns the path.
 
     Other metrics in `points` are ignored. Non-finite values are left out of the lines and marked with
     red crosses along the top edge.
     """
+    record = as_json(record)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D

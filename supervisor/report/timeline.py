@@ -9,6 +9,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from supervisor.lineage.record import RecordLike, as_json
+
 Point = tuple[int, float, int]  # (step, value, timestamp_ms) as MLflow logs it
 
 #: MLflow rejects longer tag values.
@@ -46,8 +48,9 @@ def runs(points: list[Point]) -> list[list[Point]]:
     return out
 
 
-def timeline_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+def timeline_rows(record: RecordLike) -> list[dict[str, Any]]:
     """One row per event and its decision, in time order: in-process rollbacks, then what ended each segment."""
+    record = as_json(record)
     rows: list[dict[str, Any]] = []
     for seg in record.get("segments") or []:
         index = seg.get("index", len(rows))
@@ -103,8 +106,9 @@ def _row(
     }
 
 
-def counts(record: dict[str, Any]) -> dict[str, int]:
+def counts(record: RecordLike) -> dict[str, int]:
     """Decisions as the budgets count them: rollbacks, restarts (resume or rollback) and in-process rollbacks."""
+    record = as_json(record)
     rows = timeline_rows(record)
     return {
         "rollbacks": sum(r["action"] == "rollback" for r in rows),
@@ -140,8 +144,9 @@ def decision_line(row: dict[str, Any]) -> str:
     return " ".join(text.split())
 
 
-def summary_line(record: dict[str, Any]) -> str:
+def summary_line(record: RecordLike) -> str:
     """`<lineage>: <status>, N segments, R rollbacks (K in process), S restarts, final checkpoint X[; reason]`."""
+    record = as_json(record)
     c = counts(record)
     segments = len(record.get("segments") or [])
     text = (
@@ -152,8 +157,9 @@ def summary_line(record: dict[str, Any]) -> str:
     return text + (f"; {record['final_reason']}" if record.get("final_reason") else "")
 
 
-def report_tags(record: dict[str, Any]) -> dict[str, str]:
+def report_tags(record: RecordLike) -> dict[str, str]:
     """MLflow run tags for the lineage: status, final reason and checkpoint, budgets spent, one per decision."""
+    record = as_json(record)
     c = counts(record)
     tags = {
         "rollback.lineage": str(record.get("lineage") or ""),
@@ -259,8 +265,9 @@ def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def markdown_table(record: dict[str, Any]) -> str:
+def markdown_table(record: RecordLike) -> str:
     """Markdown for a Prefect artifact: the summary, the event/decision timeline and the segments."""
+    record = as_json(record)
     rows = timeline_rows(record)
     lines = [f"**{_md_escape(summary_line(record))}**", "", "### Events and decisions", ""]
     lines += _md_table(TIMELINE_COLUMNS, [_cells(r) for r in rows]) if rows else ["No events."]
@@ -269,8 +276,9 @@ def markdown_table(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rich_table(record: dict[str, Any]) -> Table:
+def rich_table(record: RecordLike) -> Table:
     """The event/decision timeline as a compact rich Table for the terminal."""
+    record = as_json(record)
     table = Table(title=Text(summary_line(record)), title_justify="left", show_lines=True)
     # Short cells never wrap (a broken event type or checkpoint id is hard to read); the reason folds.
     for name in ("#", "seg", "step", "event", "source", "decision", "reason"):

@@ -1,4 +1,4 @@
-"""Run one training segment as a process group; stream its output; stop it gracefully, then for sure."""
+"""The local launcher: each segment a process group on this machine, its output streamed, stopped for sure."""
 
 from __future__ import annotations
 
@@ -9,53 +9,30 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import psutil
+
+from supervisor.launcher.base import ExitInfo, LaunchSpec, OnLine
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
 
-@dataclass(frozen=True)
-class ExitInfo:
-    """How a segment ended."""
-
-    returncode: int
-    stderr_tail: str
-    stdout_tail: str
-    signal_sent: int | None  # the signal *we* sent to stop it, if any
-    pid: int
-    duration_s: float
+def _ignore(stream: str, line: str) -> None:
+    """The output sink when nobody listens."""
 
 
-class Segment:
-    """A training command running in its own session (process group), with output streamed line by line.
+class LocalLauncher:
+    """Runs each segment as a local process in its own session (process group)."""
 
-    `stop()` may be called from any thread; everything else from the owner thread.
-    """
+    def __init__(self, tail_lines: int = 200):
+        self.tail_lines = tail_lines
 
-    def __init__(
-        self,
-        command: Sequence[str],
-        *,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        on_line: Callable[[str, str], None] | None = None,
-        tail_lines: int = 200,
-    ):
-        self._on_line = on_line or (lambda stream, line: None)
-        self._tails = {
-            "stdout": collections.deque(maxlen=tail_lines),
-            "stderr": collections.deque(maxlen=tail_lines),
-        }
-        self._signal_sent: int | None = None
-        self._lock = threading.Lock()
-        self._t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            list(command),
-            env=env,
-            cwd=cwd,
+    def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> LocalSegment:
+        proc = subprocess.Popen(
+            list(spec.command),
+            env=dict(spec.env) if spec.env else None,
+            cwd=spec.cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group: we can signal torchrun and all its children
@@ -63,14 +40,44 @@ class Segment:
             errors="replace",
             bufsize=1,
         )
-        self.pid = self.proc.pid
+        return LocalSegment(proc, on_line=on_line, tail_lines=self.tail_lines).start()
+
+
+class LocalSegment:
+    """A started local process group, with its output streamed line by line.
+
+    `stop()` may be called from any thread; everything else from the owner thread.
+    """
+
+    def __init__(self, proc: subprocess.Popen, *, on_line: OnLine | None = None, tail_lines: int = 200):
+        self.proc = proc
+        self.pid = proc.pid
+        self._on_line = on_line or _ignore
+        self._tails: dict[str, collections.deque[str]] = {
+            "stdout": collections.deque(maxlen=tail_lines),
+            "stderr": collections.deque(maxlen=tail_lines),
+        }
+        self._signal_sent: int | None = None
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
         self._descendants: dict[int, float] = {}  # pid -> create_time, so a reused PID is never killed
         self._readers = [
-            threading.Thread(target=self._pump, args=(self.proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._pump, args=(self.proc.stderr, "stderr"), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, "stderr"), daemon=True),
         ]
+
+    def start(self) -> LocalSegment:
+        """Start streaming its output (the pipes must be drained, or the child blocks)."""
         for reader in self._readers:
             reader.start()
+        return self
+
+    @property
+    def handle_id(self) -> str:
+        return str(self.pid)
+
+    def details(self) -> dict[str, Any]:
+        return {"pid": self.pid, "pid_started": process_started(self.pid)}
 
     def _pump(self, stream, name: str) -> None:
         for line in stream:
@@ -93,6 +100,12 @@ class Segment:
         except psutil.Error:
             pass
 
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:  # still running
+            return None
+
     def wait(self, timeout: float | None = None) -> ExitInfo:
         self.proc.wait(timeout)
         for reader in self._readers:
@@ -103,7 +116,7 @@ class Segment:
             stderr_tail="\n".join(self._tails["stderr"]),
             stdout_tail="\n".join(self._tails["stdout"]),
             signal_sent=self._signal_sent,
-            pid=self.pid,
+            handle_id=self.handle_id,
             duration_s=time.monotonic() - self._t0,
         )
 
@@ -154,3 +167,11 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def process_started(pid: int) -> float | None:
+    """The process's start time (identifies it across PID reuse), or None if it is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None

@@ -1,0 +1,78 @@
+"""What the supervisor needs from whatever runs a training segment: start it, stream it, stop it, wait for it.
+
+A `Launcher` turns a `LaunchSpec` into a `SegmentHandle`. The protocol speaks of handle ids, not PIDs, so that
+a scheduler (SLURM's job id, a Kubernetes pod name) can implement it; what identifies a running segment on its
+own terms (a local PID and its start time) is returned by `details()` and kept in the segment's record.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+#: Receives each output line as (stream, line), stream being "stdout" or "stderr"; called from reader threads.
+OnLine = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to run: the command, its complete environment and its working directory."""
+
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How a segment ended."""
+
+    returncode: int
+    stderr_tail: str
+    stdout_tail: str
+    signal_sent: int | None  #: the signal *we* sent to stop it, if any
+    handle_id: str  #: the launcher's id of the segment (local: the PID)
+    duration_s: float
+
+
+class SegmentHandle(Protocol):
+    """One started segment. `stop()` may be called from any thread; everything else from the owner thread."""
+
+    @property
+    def handle_id(self) -> str:
+        """The launcher's id of this segment (local: the PID; a scheduler: the job id)."""
+        ...
+
+    def details(self) -> dict[str, Any]:
+        """What the lineage record keeps to find this segment again after a supervisor crash."""
+        ...
+
+    def poll(self) -> int | None:
+        """The exit code if it has exited, else None."""
+        ...
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """Block up to `timeout` seconds for it to exit; its exit code, or None if still running."""
+        ...
+
+    def stop(self, grace_seconds: float, sig: int = signal.SIGTERM) -> None:
+        """Send `sig` to all of it, wait up to `grace_seconds`, then kill whatever is left."""
+        ...
+
+    def kill(self) -> None:
+        """Kill all of it now (no grace), recorded as sent by us."""
+        ...
+
+    def wait(self) -> ExitInfo:
+        """Wait for the exit, reap what it left behind, and say how it ended."""
+        ...
+
+
+class Launcher(Protocol):
+    """Starts training segments (local processes, torchrun, a scheduler's jobs)."""
+
+    def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> SegmentHandle:
+        """Start `spec`, streaming its output lines to `on_line`."""
+        ...

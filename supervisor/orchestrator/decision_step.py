@@ -1,0 +1,219 @@
+"""The decision step: how a segment ended, what the policy says to do about it, and recording that.
+
+It classifies the end (the event we stopped the segment for, an anomaly the training process left to us, or
+its exit code and stderr), decides, re-deciding while the chosen checkpoint fails full verification, applies
+the decision to the lineage record (the next segment's restore), tags the MLflow run, and picks the final
+checkpoint when the lineage ends. Not thread-safe; the runner's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from policies import Decision, History, decide
+from supervisor import exitcodes
+from supervisor.checkpoint.view import MergedCatalog
+from supervisor.events import Event
+from supervisor.lineage.record import LineageRecord, SegmentRecord
+from supervisor.monitor import classify_exit
+from supervisor.orchestrator.events_log import EventsLog, same_incident
+from supervisor.orchestrator.options import SegmentResult
+from supervisor.runtime.plan import RestoreSpec
+from supervisor.runtime.wiring import to_records
+
+log = logging.getLogger("rollback_supervisor.orchestrator")
+
+#: MLflow rejects tag values much longer than this.
+MAX_TAG_CHARS = 4900
+#: The MLflow run status a lineage's final status closes it with.
+RUN_STATUS = {"finished": "FINISHED", "stopped": "FINISHED"}
+
+
+class RunTracking(Protocol):
+    """The lineage's MLflow run as the decision step writes to it; failures are logged, never raised."""
+
+    def tag(self, key: str, text: str) -> None: ...
+
+    def terminate(self, status: str) -> None: ...
+
+
+class MlflowRun:
+    """Tags and closes one MLflow run; the tracking server being down must not stop recovery."""
+
+    def __init__(self, client: Any, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    def tag(self, key: str, text: str) -> None:
+        try:
+            self.client.set_tag(self.run_id, key, text)
+        except Exception as exc:
+            log.warning("could not tag the MLflow run: %s", exc)
+
+    def terminate(self, status: str) -> None:
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            log.warning("could not close the MLflow run: %s", exc)
+
+
+class DecisionStep:
+    """Turns the end of a segment into a decision recorded in the lineage record and the MLflow run."""
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        history: History,
+        events: EventsLog,
+        catalog: Callable[[], MergedCatalog | None],
+        run: RunTracking,
+        save: Callable[[], None],
+        clock: Callable[[], float],
+    ):
+        self.policy = policy
+        self.history = history
+        self.events = events
+        self.catalog = catalog
+        self.run = run
+        self.save = save
+        self.clock = clock
+
+    def conclude(self, record: LineageRecord, result: SegmentResult) -> Decision | None:
+        """Record how the segment ended and decide what next; None means the run finished or stopped."""
+        seg = record.segments[result.index]
+        seg.ended = result.ended
+        seg.returncode = result.exit.returncode
+        seg.signal_sent = result.exit.signal_sent
+        seg.last_step = result.last_step
+        reported = self.fold_reports(record, seg)
+        event = result.stopped_for or reported or self.classify(result)
+        seg.event = event.to_dict() if event else None
+        if event is None:
+            seg.outcome = "finished" if result.exit.returncode == exitcodes.EXIT_OK else "stopped"
+            self.save()
+            return None
+        return self.apply(record, seg, event)
+
+    def classify(self, result: SegmentResult) -> Event | None:
+        """The event an exit says happened (exit code, stderr, our own signal); None for a clean end."""
+        return classify_exit(
+            result.exit.returncode,
+            result.exit.stderr_tail,
+            signal_sent_by_us=result.exit.signal_sent,
+            extra_patterns=[p.model_dump() for p in self.policy.monitor.classifier_patterns],
+        )
+
+    def decide_interrupted(self, record: LineageRecord) -> Decision | None:
+        """A segment whose supervisor vanished is a preemption like any other: it spends restart budget."""
+        pending = None
+        for seg in record.segments:
+            if seg.outcome != "interrupted" or seg.decision is not None:
+                continue
+            self.fold_reports(record, seg)
+            pending = self.apply(record, seg, Event.from_dict(seg.event or {}))
+        return pending
+
+    def fold_reports(self, record: LineageRecord, seg: SegmentRecord) -> Event | None:
+        """Fold the training side's new events.jsonl records into the history; returns an anomaly it left to us.
+
+        A left-over anomaly at the onset of one the training process handled in this segment is part of
+        that incident: it is recorded with it and gets no second decision.
+        """
+        records, offset = self.events.since(record.events_offset)
+        reported = self.fold(seg, records)
+        record.put(events_consumed=record.events_consumed + len(records), events_offset=offset)
+        return reported
+
+    def fold(self, seg: SegmentRecord, records: list[dict[str, Any]]) -> Event | None:
+        """`fold_reports` on records already read (see there)."""
+        reported = None
+        handled: list[Event] = []
+        for rec in records:
+            event = Event.from_dict(rec["event"])
+            if rec.get("kind") == "save_failed":  # a report, not an anomaly: training went on without it
+                seg.save_failures = [*(seg.save_failures or []), rec]
+                log.warning("segment %d: %s", seg.index, event.reason)
+            elif rec.get("handled_in_process") and rec.get("decision"):
+                decision = Decision.from_dict(rec["decision"])
+                self.history.record(decision.event, decision, rec["time"])
+                seg.in_process.append(rec)
+                handled.append(event)
+                self.tag(decision, in_process=True)
+            elif any(same_incident(h, event) for h in handled):
+                seg.in_process.append({**rec, "part_of_incident": True})
+                log.info("%s is part of an incident the training process already handled", event.reason)
+            else:
+                reported = event
+        if reported is not None and any(same_incident(h, reported) for h in handled):
+            reported = None
+        return reported
+
+    def apply(self, record: LineageRecord, seg: SegmentRecord, event: Event) -> Decision:
+        """Decide about the event that ended `seg`, record it, and set the next segment's restore."""
+        decision = self.decide(event)
+        seg.decision = decision.to_dict()
+        if seg.outcome != "interrupted":
+            seg.outcome = decision.action
+        self.history.record(event, decision, self.clock())
+        if decision.relaunches:
+            record.next_restore = restore_after(decision).__dict__
+        self.save()
+        self.tag(decision, in_process=False)
+        log.warning("decision: %s", decision.reason)
+        return decision
+
+    def decide(self, event: Event) -> Decision:
+        """Decide, re-deciding if the chosen checkpoint fails full verification (it is then marked invalid)."""
+        catalog = self.catalog()
+        infos = catalog.list() if catalog else []
+        invalid = {i.id for i in infos if catalog.verify(i.id, "fast") is not None}
+        while True:
+            decision = decide(self.policy, event, self.history, to_records(infos, invalid), now=self.clock())
+            if decision.target_id is None or not decision.relaunches:
+                return decision
+            reason = catalog.verify(decision.target_id, self.policy.checkpoint.verify)
+            if reason is None:
+                return decision
+            log.warning("checkpoint %s failed verification (%s); choosing again", decision.target_id, reason)
+            invalid.add(decision.target_id)
+
+    def tag(self, decision: Decision, *, in_process: bool) -> None:
+        """One MLflow tag per decision, numbered as the final report numbers them (0-based)."""
+        n = len(self.history) - 1
+        prefix = "[in-process] " if in_process else ""
+        text = f"{prefix}{decision.action}: {decision.reason}"[:MAX_TAG_CHARS]
+        self.run.tag(f"rollback.decision.{n:03d}", text)
+
+    def finish(self, record: LineageRecord, status: str, reason: str) -> LineageRecord:
+        """Record the final status and the checkpoint to keep, and close the MLflow run."""
+        final = self.final_checkpoint(status)
+        record.put(status=status, final_reason=reason, final_checkpoint=final)
+        self.save()
+        self.run.terminate(RUN_STATUS.get(status, "FAILED"))
+        return record
+
+    def final_checkpoint(self, status: str) -> str | None:
+        """The newest checkpoint of a finished lineage; else the policy's best (`keep_best`), or the newest."""
+        catalog = self.catalog()
+        if catalog is None:
+            return None
+        keep_best = self.policy.checkpoint.keep_best
+        if status == "finished" or keep_best is None:
+            final = catalog.latest()
+        else:
+            final = catalog.best(keep_best.metric, keep_best.mode) or catalog.latest()
+        return final.id if final else None
+
+
+def restore_after(decision: Decision) -> RestoreSpec:
+    """Where the segment after a relaunching decision starts."""
+    return RestoreSpec(
+        checkpoint_id=decision.target_id,
+        skip_batches=decision.skip_batches,
+        lr_scale=decision.lr_scale,
+        from_scratch=decision.target_id is None,
+        rollback=decision.action == "rollback",
+    )

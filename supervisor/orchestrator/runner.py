@@ -1,0 +1,367 @@
+"""Drive one lineage: launch a segment, watch it, stop it, decide, relaunch. Prefect-free; flows/ wraps it.
+
+A LineageRunner is the facade over three parts: the `LineageBook` (the durable record and its lease), a
+`SegmentRun` per segment (launch, watch, stop) and the `DecisionStep` (classify, decide, apply, tag).
+It is not thread-safe: one caller drives it, with `supervise()` or step by step with `open`, `run_segment`,
+`conclude` and `finish`, then `close`. From `open` to `close` a keeper thread renews the lease, so every
+wait (the watch, the backoff delay, deciding, reporting) holds it; each launch and each record write first
+checks that it still does.
+
+    with LineageRunner(options) as runner:
+        record = runner.supervise()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mlflow.tracking import MlflowClient
+
+from policies import Decision, History, load_policy
+from supervisor.checkpoint import open_store
+from supervisor.checkpoint.remote import RemoteTier
+from supervisor.checkpoint.view import MergedCatalog
+from supervisor.launcher import LaunchSpec, LocalLauncher, OnLine
+from supervisor.layout import LineageLayout
+from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
+from supervisor.monitor import Monitor
+from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
+from supervisor.orchestrator import book as lifecycle
+from supervisor.orchestrator.book import LineageBook
+from supervisor.orchestrator.decision_step import DecisionStep, MlflowRun
+from supervisor.orchestrator.events_log import EventsLog
+from supervisor.orchestrator.options import Outcome, RunOptions, SegmentResult, StepRunner, run_inline
+from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, heartbeat_step
+from supervisor.orchestrator.stale import kill_stale
+from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
+from supervisor.tracking import (
+    adopt_tracking,
+    bound_http_requests,
+    creating_store,
+    default_tracking_uri,
+    start_run,
+)
+
+log = logging.getLogger("rollback_supervisor.orchestrator")
+
+#: Called after each segment's decision (None: the training ended by itself) with the record as it stands;
+#: returning an Outcome ends the lineage there (a caller's own budget), None lets the policy go on.
+OnDecision = Callable[[Decision | None, LineageRecord], Outcome | None]
+
+
+class LineageRunner:
+    """The supervisor of one lineage (see module docstring)."""
+
+    def __init__(
+        self,
+        options: RunOptions,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.options = options
+        self.clock = clock
+        self.sleep = sleep
+        self.policy = load_policy(options.policy_path)
+        ck = self.policy.checkpoint
+        self.layout = LineageLayout.resolve(options.workdir, ck.storage, options.lineage, ck.remote)
+        self.book = LineageBook(
+            self.layout, ttl_seconds=options.lease_ttl_seconds, owner=options.lease_owner, clock=clock
+        )
+        self.events = EventsLog(self.layout.local / "events.jsonl")
+        self.tracking_uri = options.tracking_uri or default_tracking_uri(Path(options.workdir))
+        self.client: MlflowClient | None = None  # opened only under the lease (see open)
+        self.decisions: DecisionStep | None = None  # built by open, once the run it tags is known
+        self.pending: Decision | None = None
+
+    def __enter__(self) -> LineageRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- views of the parts ---------------------------------------------------------------------
+
+    @property
+    def record(self) -> LineageRecord:
+        """The lineage record (after `open`)."""
+        if self.book.record is None:
+            raise RuntimeError(f"lineage {self.options.lineage}: no record yet; call open() first")
+        return self.book.record
+
+    @property
+    def history(self) -> History:
+        """Decisions so far and the budgets they spent."""
+        return self.decisions.history if self.decisions is not None else History()
+
+    @property
+    def lease(self) -> Lease | None:
+        return self.book.lease
+
+    # -- open / close ---------------------------------------------------------------------------
+
+    def open(self) -> LineageRecord:
+        """Take the lease, then load the lineage record (resuming it) or create it.
+
+        If anything fails after the lease is taken, the lease is released before the error propagates.
+        """
+        bound_http_requests()
+        try:
+            return self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> LineageRecord:
+        record = self.book.open(self.options.lease_wait_seconds)
+        if record is None:
+            # The tracking store is opened (and, on a fresh workdir, created) only under the lease, and its
+            # creation is serialised across lineages sharing the workdir's sqlite file.
+            with creating_store(self.tracking_uri):
+                self.client = MlflowClient(tracking_uri=self.tracking_uri)
+                record = self._new_record()
+            log.info("lineage %s: new", self.options.lineage)
+        else:
+            log.info(
+                "lineage %s: resuming after %d segments (status %s)",
+                self.options.lineage,
+                len(record.segments),
+                record.status,
+            )
+            lifecycle.recover_interrupted(
+                record, self.clock(), lambda seg: kill_stale(seg, self.layout.local)
+            )
+            workdir = Path(self.options.workdir)
+            with creating_store(self.options.tracking_uri or default_tracking_uri(workdir)):
+                self.tracking_uri, self.client = adopt_tracking(
+                    record, self.options.tracking_uri, workdir, self.policy.name
+                )
+            lifecycle.resume(record, self._storage())
+        lifecycle.stamp(record, self.options.command, str(self.options.policy_path), self.policy.name)
+        lifecycle.align_events_offset(record, self.layout)
+        self.book.adopt(record)
+        ship_leftovers(self.client, record.mlflow.run_id, self._spool_dir)
+        self.decisions = DecisionStep(
+            self.policy,
+            history=History.from_dict(record.history) if record.history else History(),
+            events=self.events,
+            catalog=self.catalog,
+            run=MlflowRun(self.client, record.mlflow.run_id),
+            save=self._save,
+            clock=self.clock,
+        )
+        self.pending = self.decisions.decide_interrupted(record)
+        self._save()
+        return record
+
+    def _new_record(self) -> LineageRecord:
+        o = self.options
+        run_id = start_run(self.client, o.experiment, o.lineage, self.policy.name, o.workdir)
+        mlflow = MlflowRef(tracking_uri=self.tracking_uri, experiment=o.experiment, run_id=run_id)
+        return lifecycle.new_record(o.lineage, mlflow, self._storage(), self.clock())
+
+    def _storage(self) -> dict[str, Any]:
+        return {
+            "checkpoints": str(self.layout.checkpoints),
+            "remote": self.layout.remote,
+            "durable": self.layout.durable,
+        }
+
+    @property
+    def _spool_dir(self) -> Path:
+        return self.layout.local / "metrics"
+
+    def close(self) -> None:
+        """Stop renewing the lease and release it."""
+        self.book.close()
+
+    def _save(self) -> None:
+        self.record.history = self.history.to_dict()
+        self.book.save()
+
+    def renew_lease(self) -> None:
+        """Raise LeaseHeldError if the lease was lost (the keeper thread renews it)."""
+        self.book.check()
+
+    def keeper_renew(self) -> None:
+        """Renew the lease now (a launch gets a whole TTL ahead); raise LeaseHeldError if it was lost."""
+        self.book.renew_now()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def supervise(
+        self,
+        on_line: OnLine | None = None,
+        on_decision: OnDecision | None = None,
+        *,
+        step: StepRunner = run_inline,
+    ) -> LineageRecord:
+        """Open (unless open), run segments until the policy or `on_decision` ends the lineage, and finish.
+
+        A decision left pending by a vanished supervisor is honoured first (its stop, failure or backoff);
+        then each segment is run, concluded and followed by its decision's delay. `step` runs each named step
+        (`open_lineage`, `run_segment`, `decide_next`, `finish_lineage`); the flow makes them Prefect tasks.
+        The caller closes the runner (the lease is still held for its reporting).
+        """
+        if not self.book.holding:
+            step("open_lineage", self.open)
+        outcome = self._pending_outcome()
+        segments = 0 if outcome is not None else self.options.max_segments
+        for _ in range(segments):
+            index = len(self.record.segments)
+            result = step("run_segment", lambda: self.run_segment(on_line=on_line), f"segment-{index}")
+            decision = step("decide_next", lambda result=result: self.conclude(result))
+            outcome = on_decision(decision, self.record) if on_decision is not None else None
+            outcome = outcome or self._outcome(decision)
+            if outcome is not None:
+                break
+            if decision is not None and decision.delay_seconds > 0:
+                self.sleep(decision.delay_seconds)
+        if outcome is None:
+            outcome = Outcome("failed", f"gave up after {self.options.max_segments} segments")
+        return step("finish_lineage", lambda: self.finish(outcome.status, outcome.reason))
+
+    def _pending_outcome(self) -> Outcome | None:
+        """The previous supervisor vanished mid-segment: its decision spends budget too, and may end it."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if pending.action in ("stop", "fail"):
+            return Outcome("stopped" if pending.action == "stop" else "failed", pending.reason)
+        if pending.delay_seconds > 0:
+            self.sleep(pending.delay_seconds)  # a crash loop through Prefect re-runs still backs off
+        return None
+
+    def _outcome(self, decision: Decision | None) -> Outcome | None:
+        """How the lineage ends after `decision`, or None if it goes on."""
+        if decision is None:
+            if self.record.segments[-1].outcome == "finished":
+                return Outcome("finished", "training finished")
+            return Outcome("stopped", "training stopped")
+        if decision.action == "stop":
+            return Outcome("stopped", decision.reason)
+        if decision.action == "fail":
+            return Outcome("failed", decision.reason)
+        return None
+
+    # -- one segment ----------------------------------------------------------------------------
+
+    def _plan(self, index: int) -> LaunchPlan:
+        record = self.record
+        return LaunchPlan(
+            lineage=self.options.lineage,
+            workdir=str(self.layout.local),
+            checkpoint_dir=str(self.layout.checkpoints),
+            checkpoint_remote=self.layout.remote,
+            tracking_uri=self.tracking_uri,
+            experiment=self.options.experiment,
+            run_id=record.mlflow.run_id,
+            segment=index,
+            policy_path=str(Path(self.options.policy_path).resolve()),
+            restore=RestoreSpec(**record.next_restore),
+            history=self.history.to_dict(),
+            supervisor_pid=os.getpid(),
+            lineage_seconds=record.running_seconds(),
+            metrics_spool=str(self._spool_dir / f"{index}.jsonl"),
+        )
+
+    def run_segment(self, on_line: OnLine | None = None) -> SegmentResult:
+        """Launch the next segment and watch it until it exits or an anomaly makes us stop it."""
+        self.keeper_renew()  # never launch without the lease, and launch with a whole TTL ahead
+        record = self.record
+        index = len(record.segments)
+        plan = self._plan(index)
+        plan_path = plan.write(self.layout.local / f"plan-{index}.json")
+        o = self.options
+        env = {**os.environ, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
+        seg = SegmentRecord(
+            index=index,
+            started=self.clock(),
+            host=socket.gethostname(),
+            restore=plan.restore.__dict__,
+            start_step=heartbeat_step(plan.heartbeat_path),
+        )
+        record.segments.append(seg)
+        self._save()
+        run = SegmentRun(
+            o.launcher if o.launcher is not None else LocalLauncher(),
+            SegmentSettings(o.stop_grace_seconds, self.policy.monitor.poll_seconds),
+            record=record,
+            events=self.events,
+            lease=self.book,
+            save=self._save,
+            clock=self.clock,
+        )
+        return run.run(
+            seg,
+            LaunchSpec(o.command, env, o.cwd),
+            heartbeat_path=plan.heartbeat_path,
+            log_path=self.layout.local / "segments" / f"{index}.log",
+            open_watcher=lambda: _SegmentMonitor(self._monitor(plan)),
+            open_shipper=lambda: SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start(),
+            on_line=on_line,
+        )
+
+    def _monitor(self, plan: LaunchPlan) -> Monitor:
+        return Monitor.from_specs(
+            self.tracking_uri,
+            plan.run_id,
+            self.policy.monitor.detectors,
+            heartbeat_path=plan.heartbeat_path,
+            report_history=False,
+            request_timeout=5.0,
+        )
+
+    # -- deciding and finishing -----------------------------------------------------------------
+
+    def conclude(self, result: SegmentResult) -> Decision | None:
+        """Record what happened in the segment and decide what next; None means the run finished or stopped."""
+        return self._decisions().conclude(self.record, result)
+
+    def finish(self, status: str, reason: str) -> LineageRecord:
+        """Record the final status, the checkpoint to keep, and close the MLflow run."""
+        return self._decisions().finish(self.record, status, reason)
+
+    def _decisions(self) -> DecisionStep:
+        if self.decisions is None:
+            raise RuntimeError(f"lineage {self.options.lineage}: not open; call open() first")
+        return self.decisions
+
+    def catalog(self) -> MergedCatalog | None:
+        """The checkpoints of both tiers in one view, the same merge the training side restores through."""
+        catalogs = []
+        if self.layout.checkpoints.exists() and any(self.layout.checkpoints.iterdir()):
+            catalogs.append(open_store(self.layout.checkpoints))
+        if self.layout.remote:
+            try:
+                remote = RemoteTier(self.layout.remote).catalog  # the same catalog the training side merges
+                remote.ids()  # reachable?
+                catalogs.append(remote)
+            except Exception as exc:  # an empty or unreachable remote has nothing to offer yet
+                log.warning("remote checkpoint store %s unavailable: %s", self.layout.remote, exc)
+        allow = self.policy.checkpoint.allow_nonfinite
+        return MergedCatalog(catalogs, allow_nonfinite=allow) if catalogs else None
+
+
+class _SegmentMonitor:
+    """The supervisor's Monitor as a segment's Watcher."""
+
+    def __init__(self, monitor: Monitor):
+        self.monitor = monitor
+
+    def begin(self, now: float) -> None:
+        self.monitor.detectors.progress(now, phase="checkpoint")  # start-up and restore: long grace
+        if self.monitor.heartbeat is not None:
+            self.monitor.heartbeat.changed()  # the previous segment's last beat is not this one's progress
+
+    def poll(self, now: float) -> list:
+        return self.monitor.poll(now)
+
+    def close(self) -> None:
+        self.monitor.close()

@@ -1,0 +1,199 @@
+"""One segment's life: launch it, watch it until it exits or an anomaly makes us stop it, and stop it for sure.
+
+Whatever fails once it is launched (the monitor, the record, a lost lease, Ctrl-C), the segment is stopped
+and reaped, and its metrics reach MLflow; when the supervisor itself is going away the segment is recorded as
+interrupted, so that the next supervisor resumes it. Not thread-safe; the runner's thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from supervisor.errors import LeaseHeldError
+from supervisor.events import METRIC_EVENTS, Event
+from supervisor.launcher import Launcher, LaunchSpec, OnLine, SegmentHandle
+from supervisor.lineage.record import LineageRecord, SegmentRecord
+from supervisor.monitor import HeartbeatReader
+from supervisor.orchestrator.events_log import EventsLog
+from supervisor.orchestrator.options import SegmentResult
+from supervisor.runtime.plan import RestoreSpec
+
+log = logging.getLogger("rollback_supervisor.orchestrator")
+
+
+class Watcher(Protocol):
+    """The supervisor's monitor of one segment: anomalies seen in its metrics and heartbeat."""
+
+    def begin(self, now: float) -> None:
+        """The segment was just launched (start-up and restore get a long grace)."""
+        ...
+
+    def poll(self, now: float) -> list[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class Drain(Protocol):
+    """Something running beside the segment that must finish its work once the segment is gone."""
+
+    def drain(self) -> None: ...
+
+
+class LeaseGuard(Protocol):
+    """The lease held while the segment runs."""
+
+    def check(self) -> None:
+        """Raise LeaseHeldError if the lease was lost."""
+        ...
+
+
+@dataclass(frozen=True)
+class SegmentSettings:
+    """How segments are run: stop grace and how often the watch polls."""
+
+    stop_grace_seconds: float = 30.0
+    poll_seconds: float = 5.0
+
+
+class SegmentRun:
+    """Launches one planned segment and watches it to its end; `run()` once."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        settings: SegmentSettings,
+        *,
+        record: LineageRecord,
+        events: EventsLog,
+        lease: LeaseGuard,
+        save: Callable[[], None],
+        clock: Callable[[], float],
+    ):
+        self.launcher = launcher
+        self.settings = settings
+        self.record = record
+        self.events = events
+        self.lease = lease
+        self.save = save
+        self.clock = clock
+
+    def run(
+        self,
+        seg: SegmentRecord,
+        spec: LaunchSpec,
+        *,
+        heartbeat_path: Path,
+        log_path: Path,
+        open_watcher: Callable[[], Watcher],
+        open_shipper: Callable[[], Drain],
+        on_line: OnLine | None = None,
+    ) -> SegmentResult:
+        """Launch `spec` as segment `seg` (already in the record) and watch it until it exits or is stopped."""
+        grace = self.settings.stop_grace_seconds
+        with contextlib.ExitStack() as cleanup:
+            logfile = cleanup.enter_context(open(log_path, "a"))  # noqa: SIM115
+
+            def sink(stream: str, line: str) -> None:
+                logfile.write(f"{stream}: {line}\n")
+                logfile.flush()
+                if on_line:
+                    on_line(stream, line)
+
+            # The training process appends its metrics to the spool; this ships them to the run (spool.py: why).
+            shipper = open_shipper()
+            cleanup.callback(shipper.drain)  # runs after the child is gone: all it logged reaches MLflow
+            started = self.clock()
+            handle = self.launcher.start(spec, sink)
+            # Whatever fails below (the monitor, the record, a lost lease), the child is stopped and reaped.
+            cleanup.callback(handle.wait)
+            cleanup.callback(stop_if_running, handle, grace)
+            seg.note_launch(handle.details())
+            self.save()
+            log.info(
+                "segment %d: launched as %s, %s",
+                seg.index,
+                handle.handle_id,
+                describe_restore(RestoreSpec(**seg.restore)),
+            )
+            watcher = open_watcher()
+            cleanup.callback(watcher.close)
+            watcher.begin(self.clock())
+            stopped_for = None
+            try:
+                stopped_for = self._watch(seg, handle, watcher)
+            except BaseException as exc:
+                self._interrupted(seg, handle, heartbeat_path, save=not isinstance(exc, LeaseHeldError))
+                raise
+        exit_info = handle.wait()
+        return SegmentResult(
+            seg.index, exit_info, stopped_for, started, self.clock(), heartbeat_step(heartbeat_path)
+        )
+
+    def _watch(self, seg: SegmentRecord, handle: SegmentHandle, watcher: Watcher) -> Event | None:
+        """Poll until the segment exits (None) or an anomaly stops it (the event)."""
+        while handle.poll() is None:
+            event = self._anomaly(watcher)
+            if event is not None:
+                log.warning("segment %d: %s; stopping it", seg.index, event.reason)
+                handle.stop(self.settings.stop_grace_seconds, sig=signal.SIGUSR2)
+                return event
+            self.lease.check()
+            handle.wait_exit(self.settings.poll_seconds)
+        return None
+
+    def _anomaly(self, watcher: Watcher) -> Event | None:
+        """The first event the monitor saw that the training process did not already handle itself."""
+        for event in watcher.poll(self.clock()):
+            if event.type in METRIC_EVENTS and self.events.reported(event, self.record.events_offset):
+                log.info("monitor saw %s; the training process already handled it", event.reason)
+                continue
+            return event
+        return None
+
+    def _interrupted(
+        self, seg: SegmentRecord, handle: SegmentHandle, heartbeat_path: Path, *, save: bool
+    ) -> None:
+        """The supervisor itself is going away (SIGTERM on a spot machine, Ctrl-C, a lost lease): let the
+        training save its emergency checkpoint, record that, and let the next run resume."""
+        handle.stop(self.settings.stop_grace_seconds, sig=signal.SIGTERM)
+        exit_info = handle.wait()
+        seg.ended = self.clock()
+        seg.returncode = exit_info.returncode
+        seg.outcome = "interrupted"
+        seg.signal_sent = exit_info.signal_sent
+        seg.last_step = heartbeat_step(heartbeat_path)
+        seg.event = Event(
+            type="preemption",
+            reason="the supervisor was interrupted; training stopped with an emergency checkpoint",
+            source="supervisor",
+            evidence={"returncode": exit_info.returncode},
+        ).to_dict()
+        self.record.next_restore = RestoreSpec().__dict__
+        if save:  # a stale holder (lost lease) must not write the record
+            self.save()
+
+
+def stop_if_running(handle: SegmentHandle, grace: float) -> None:
+    if handle.poll() is None:
+        handle.stop(grace, sig=signal.SIGTERM)
+
+
+def heartbeat_step(path: Path) -> int | None:
+    """The step of the training's last heartbeat, or None if it has not beaten."""
+    beat = HeartbeatReader(path).read()
+    return beat.step if beat else None
+
+
+def describe_restore(spec: RestoreSpec) -> str:
+    """A restore spec in words, for the log."""
+    if spec.from_scratch:
+        return "starts from scratch"
+    where = f"checkpoint {spec.checkpoint_id}" if spec.checkpoint_id else "the newest valid checkpoint"
+    kind = "rolls back to" if spec.rollback else "starts from"
+    return f"{kind} {where} (skip {spec.skip_batches}, lr x{spec.lr_scale:g})"
