@@ -70,8 +70,8 @@ _mount(bench_app, "rollback", "benchmarks.bench_rollback")
 _mount(bench_app, "goodput", "benchmarks.bench_goodput")
 _mount(bench_app, "chaos", "benchmarks.bench_chaos")
 app.add_typer(bench_app, name="bench")
-_command("run", "flows.cli_run")
-_command("status", "flows.cli_status")
+_command("run", "supervisor.commands.run")
+_command("status", "supervisor.commands.status")
 _command("drill", "supervisor.drill")
 
 

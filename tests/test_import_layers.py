@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("flows",),
     # Commands: each mounts a package's verbs on the CLI and may use anything below.
     (
-        "supervisor.cli", "supervisor.demo", "supervisor.drill", "supervisor.checkpoint.cli",
+        "supervisor.cli", "supervisor.demo", "supervisor.drill", "supervisor.checkpoint.cli", "supervisor.commands",
     ),
 ]  # fmt: skip
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.cli_status import DEFAULT_STORAGE, in_process_reason, segment_steps
 from policies.schema import CheckpointConfig
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
 from supervisor.checkpoint.options import CheckpointInfo
 from supervisor.cli import main
+from supervisor.commands.status import DEFAULT_STORAGE, in_process_reason, segment_steps
 from supervisor.report import report_tags
 from supervisor.state import TrainingState
 from tests.test_report_timeline import CKPT, FINAL, lineage_record

@@ -127,7 +127,7 @@ def _run(argv, policy, lineage, workdir, tracking_uri, stop_grace, lease) -> Non
         raise typer.Exit(143) from None
     finally:
         signal.signal(signal.SIGTERM, old)
-    from flows.render import print_result
+    from supervisor.commands.render import print_result
 
     print_result(result)
     raise typer.Exit(0 if result["status"] in ("finished", "stopped") else 1)
