@@ -11,7 +11,7 @@ import torch
 from supervisor.errors import CheckpointNotFound
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.runtime.registry import Registered
-from supervisor.runtime.restore import Restorer, choose_and_restore
+from supervisor.runtime.restore import PlanRestore, choose_and_restore
 from supervisor.runtime.seams import NullHeartbeat, NullMetrics, Outputs
 from supervisor.state import TrainingState
 
@@ -103,7 +103,7 @@ def test_a_restore_skips_batches_scales_the_lr_and_says_so():
     registered.add(state, "optimizer", opt)
     registered.add(state, "data", Loader())
     metrics = Recorded()
-    restorer = Restorer(registered, Outputs(metrics, NullHeartbeat()), "ckpts")
+    restorer = PlanRestore(registered, Outputs(metrics, NullHeartbeat()), "ckpts")
     restorer.apply(7, 0.5)
     restorer.report(20, 7, 0.5, None, "plan")
     assert registered.applied() == (pytest.approx(0.05), 7.0)

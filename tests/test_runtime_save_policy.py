@@ -123,3 +123,43 @@ def test_cadence_builds_the_context_from_what_it_measured():
     assert again.save_cost_s == pytest.approx(1.7) and again.last_save_step == 41
     assert cadence.due(141, 11.5)  # the cap, 100 steps after the save at 41
     assert not cadence.due(141, 11.5, writing=True)  # adaptive: never on top of a write in flight
+
+
+@pytest.mark.parametrize(
+    ("policy", "defers"),
+    [
+        (EverySteps(1), False),
+        (EverySteps(1) & NotWhileWriting(), True),
+        (EverySteps(1) | NotWhileWriting(), False),  # any-of: the steps alone still save
+        (AnyOf((NotWhileWriting(), NotWhileWriting() & EverySteps(2))), True),
+        (build_save_policy(10, None, False), False),
+        (build_save_policy(10, 5.0, False), False),
+        (build_save_policy(10, None, True), True),  # the adaptive rule is the policy's own strategy
+        (build_save_policy(None, 5.0, True), True),
+    ],
+)
+def test_whether_a_policy_defers_for_a_write_in_flight_is_read_from_its_strategies(policy, defers):
+    assert policy.defers_while_writing is defers
+
+
+@pytest.mark.parametrize(
+    ("policy", "interval"),
+    [
+        (EverySteps(7), 7),
+        (EverySteps(7) | StepsSinceSave(3), 3),  # whichever comes first
+        (EverySteps(7) & StepsSinceSave(3), 7),  # both must agree
+        (EverySeconds(5.0), None),
+        (build_save_policy(10, 5.0, False), 10),
+        (build_save_policy(None, 5.0, False), None),
+        (build_save_policy(100, None, True), 1),  # a step timed, no save yet: save now to learn the cost
+    ],
+)
+def test_the_step_interval_comes_from_the_policy(policy, interval):
+    assert policy.interval_steps(ctx(0, step_time_s=0.5)) == interval
+
+
+def test_an_injected_policy_decides_alone_and_the_cadence_never_rebuilds_the_adaptive_rule():
+    cadence = Cadence(every_steps=100, adaptive=True, policy=EverySteps(4) & NotWhileWriting())
+    cadence.start(0, 0.0)
+    assert cadence.interval_steps(1.0) == 4 and cadence.defers_while_writing
+    assert cadence.due(4, 1.0) and not cadence.due(4, 1.0, writing=True) and not cadence.due(5, 1.0)

@@ -1,5 +1,5 @@
 """One save from the training side, against a store that records its arguments: the heartbeat says
-"checkpoint" meanwhile, the commit waits for the metrics, the cost goes to the cadence, a failure is counted."""
+"checkpoint" meanwhile, the commit waits for the metrics, the blocked time is returned, a failure is counted."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.errors import BackgroundSaveError
-from supervisor.runtime.cadence import Cadence
 from supervisor.runtime.registry import Registered
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.save_failures import SaveFailures
-from supervisor.runtime.saver import Saver
+from supervisor.runtime.saver import Saver, SaveResult
 from supervisor.runtime.seams import NullMetrics, Outputs
 from supervisor.state import TrainingState
 
@@ -46,19 +45,20 @@ class Store:
         pass
 
 
-def _saver(tmp_path: Path, clock: list[float]) -> tuple[Saver, Cadence, SaveFailures, Beats]:
-    beats, cadence = Beats(), Cadence(every_steps=10)
+def _saver(tmp_path: Path, clock: list[float]) -> tuple[Saver, SaveFailures, Beats]:
+    beats = Beats()
     outputs = Outputs(NullMetrics(), beats)
     failures = SaveFailures(EventReporter(tmp_path / "events.jsonl", 0), outputs)
     ticks = iter(clock)
-    saver = Saver(TrainingState(), Registered(), outputs, cadence, failures, clock=lambda: next(ticks))
-    return saver, cadence, failures, beats
+    saver = Saver(TrainingState(), Registered(), outputs, failures, clock=lambda: next(ticks))
+    return saver, failures, beats
 
 
 def test_a_save_passes_the_metrics_and_times_what_it_blocked(tmp_path: Path):
-    saver, cadence, failures, beats = _saver(tmp_path, [100.0, 100.5, 100.5])
+    saver, failures, beats = _saver(tmp_path, [100.0, 100.5])
     store = Store()
-    assert saver.save(store, 10, {"loss": 2}, force=True)  # type: ignore[arg-type]
+    result = saver.save(store, 10, {"loss": 2}, force=True)  # type: ignore[arg-type]
+    assert result == SaveResult(ok=True, blocked_s=0.5, ended=100.5)
     (saved,) = store.saves
     assert (saved["step"], saved["metrics"], saved["force"], saved["rank_states"]) == (
         10,
@@ -67,15 +67,13 @@ def test_a_save_passes_the_metrics_and_times_what_it_blocked(tmp_path: Path):
         None,
     )
     assert beats.beats == [(10, "checkpoint"), (10, "train")]
-    ctx = cadence.context(11, 101.0)
-    assert (ctx.save_cost_s, ctx.last_save_step, ctx.last_save_time) == (0.5, 10, 100.5)
     assert failures.count == 0
 
 
 def test_a_failed_save_is_reported_and_training_goes_on(tmp_path: Path):
-    saver, cadence, failures, beats = _saver(tmp_path, [0.0, 0.1, 0.1])
+    saver, failures, beats = _saver(tmp_path, [0.0, 0.1])
     store = Store([BackgroundSaveError("an earlier write failed"), OSError(errno.ENOSPC, "full")])
-    assert not saver.save(store, 20, {})  # type: ignore[arg-type]
+    assert not saver.save(store, 20, {}).ok  # type: ignore[arg-type]
     assert failures.count == 2 and store.saves == []
     assert beats.beats[-1] == (20, "train")  # the heartbeat is back to training either way
     assert saver.wait(store, 20)  # type: ignore[arg-type]

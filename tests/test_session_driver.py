@@ -37,10 +37,48 @@ def test_a_session_is_small_and_built_without_side_effects(tmp_path: Path):
     threads = threading.active_count()
     sess = Session(_plan(tmp_path))
     assert len(vars(sess)) <= 12, sorted(vars(sess))
-    assert not (tmp_path / "work").exists() and sess.manager is None
+    assert not (tmp_path / "work").exists() and sess._core.store is None
     assert threading.active_count() == threads
     sess._metrics = NullMetrics()
     sess.close()  # closing a session that never started is fine
+
+
+def test_the_manager_opens_on_first_use_without_with(tmp_path: Path):
+    sess = Session(_plan(tmp_path))
+    sess._metrics = NullMetrics()
+    assert not (tmp_path / "work").exists()
+    try:
+        assert sess.manager.latest() is None  # type: ignore[union-attr]
+        assert sess.manager is sess.manager and (tmp_path / "work" / "checkpoints").is_dir()
+        assert not (tmp_path / "work" / "heartbeat.json").exists()  # only the store opened
+    finally:
+        sess.close()
+
+
+def test_a_failed_start_in_enter_closes_what_it_opened_and_puts_the_handlers_back(
+    tmp_path: Path, monkeypatch
+):
+    before = signal.getsignal(signal.SIGTERM)
+    sess = Session(_plan(tmp_path))
+    sess._metrics = NullMetrics()
+    closed = []
+    real_close = sess.close
+
+    def start(state: object) -> None:
+        sess.manager.latest()  # type: ignore[union-attr]  # the store is open, then the start fails
+        raise ZeroDivisionError
+
+    def close() -> None:
+        closed.append(True)
+        real_close()
+
+    monkeypatch.setattr(sess._core.resources, "start", start)
+    monkeypatch.setattr(sess, "close", close)
+    with pytest.raises(ZeroDivisionError):
+        with sess:
+            pass
+    assert closed == [True] and signal.getsignal(signal.SIGTERM) == before
+    assert sess.exit_code == exitcodes.EXIT_FAILED
 
 
 def test_the_step_is_the_training_states_and_read_only(tmp_path: Path):
@@ -57,7 +95,9 @@ def test_the_step_is_the_training_states_and_read_only(tmp_path: Path):
     ("sig", "exit_code", "checkpoints"),
     [(signal.SIGUSR2, exitcodes.EXIT_STOPPED, []), (signal.SIGTERM, exitcodes.EXIT_PREEMPTED, [3])],
 )
-def test_signals_stop_the_loop_only_inside_with(tmp_path: Path, sig, exit_code, checkpoints):
+def test_signals_inside_with_stop_the_loop_and_the_handlers_are_put_back(
+    tmp_path: Path, sig, exit_code, checkpoints
+):
     before = signal.getsignal(sig)
     sess = Session(_plan(tmp_path))
     sess._metrics = NullMetrics()

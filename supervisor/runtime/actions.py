@@ -29,7 +29,8 @@ class Rollback:
 
 @dataclass(frozen=True)
 class Stop:
-    """Leave the loop; `TrainingCore.finish()` then writes the emergency checkpoint if `checkpoint`."""
+    """Leave the loop; if `checkpoint`, the driver first writes the emergency checkpoint (`TrainingCore.save()`
+    then `wait()`), and in any case reports the stop with `TrainingCore.stopped()`."""
 
     reason: str
     exit_code: int

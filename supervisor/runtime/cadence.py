@@ -7,17 +7,19 @@ decision context is built from.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from supervisor.events import METRIC_EVENTS
 from supervisor.runtime.save_policy import (
     MIN_OBSERVED_S,
-    Adaptive,
     SaveContext,
     SavePolicy,
     build_save_policy,
     young_daly_interval,
 )
+
+if TYPE_CHECKING:
+    from policies import History
 
 __all__ = ["MIN_OBSERVED_S", "Cadence", "estimate_mtbf", "failures_in", "young_daly_interval"]
 
@@ -37,7 +39,7 @@ def estimate_mtbf(observed_s: float, failures: int) -> float:
     return max(observed_s, MIN_OBSERVED_S) / max(1, failures)
 
 
-def failures_in(history: Any) -> int:
+def failures_in(history: History) -> int:
     """Failures for the MTBF: every event that ended a process (a preemption with an emergency checkpoint
     too: the restart is what costs), not metric anomalies (a rollback to a policy-chosen checkpoint, whatever
     the cadence). `history` holds the lineage's records, each with an `event`."""
@@ -46,6 +48,10 @@ def failures_in(history: Any) -> int:
 
 class Cadence:
     """Decides whether a checkpoint is due after a step, by a SavePolicy over what it has measured.
+
+    `policy` (default: built from the other arguments, the policy file's `checkpoint:` section) is the one
+    place that decides, the "still writing" deferral included: the caller always says whether a write is in
+    flight.
 
     With `adaptive`, the interval is Young/Daly from the measured save cost (what training is blocked per
     save) and the failure rate (`failures` seen in the lineage's running time so far, of which `observed_s`
@@ -120,10 +126,13 @@ class Cadence:
         )
 
     def interval_steps(self, now: float) -> int | None:
-        """The step interval at `now` (adaptive or fixed); None when only time triggers saves."""
-        if not self.adaptive:
-            return self.every_steps
-        return Adaptive(self.every_steps).interval_steps(self.context(self._last_step, now))
+        """The policy's step interval at `now` (adaptive or fixed); None when only time triggers saves."""
+        return self.policy.interval_steps(self.context(self._last_step, now))
+
+    @property
+    def defers_while_writing(self) -> bool:
+        """Whether a write in flight alone holds a save back (rank 0 tells the other ranks under DDP)."""
+        return self.policy.defers_while_writing
 
     def due(
         self, step: int, now: float, *, writing: bool = False, stopping: bool = False, final: bool = False

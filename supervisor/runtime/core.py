@@ -21,52 +21,42 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo
 from supervisor.events import Event
-from supervisor.monitor import DetectorSet, HeartbeatWriter, Point, build_detectors
+from supervisor.monitor import DetectorSet, build_detectors
 from supervisor.runtime.actions import CONTINUE, Action, Rollback, SaveDue, Stop
-from supervisor.runtime.agreement import Agreement, StepView
+from supervisor.runtime.agreement import Agreement
 from supervisor.runtime.cadence import Cadence, failures_in
-from supervisor.runtime.distributed import Distributed
+from supervisor.runtime.decider import StepDecider
 from supervisor.runtime.faults import FaultInjector
-from supervisor.runtime.metrics import AsyncMetricLogger
+from supervisor.runtime.outcome import SegmentOutcome
 from supervisor.runtime.plan import LaunchPlan
 from supervisor.runtime.registry import Registered
 from supervisor.runtime.reporter import EventReporter
-from supervisor.runtime.restore import Restorer
+from supervisor.runtime.resources import SegmentResources
+from supervisor.runtime.restore import PlanRestore
 from supervisor.runtime.rollback import InProcessRollback
 from supervisor.runtime.save_failures import SaveFailures
+from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
-from supervisor.runtime.seams import (
-    CheckpointReader,
-    NullHeartbeat,
-    NullMetrics,
-    Outputs,
-)
-from supervisor.runtime.segment_store import SegmentStore
-from supervisor.runtime.stops import StopMode, StopRequest, StopSources, notice_watcher
-from supervisor.runtime.tracking_run import metric_connection
-from supervisor.runtime.wiring import checkpoint_options
+from supervisor.runtime.seams import CheckpointReader, Collective, Outputs
 from supervisor.state import TrainingState
 
-log = logging.getLogger("rollback_supervisor.session")
+if TYPE_CHECKING:
+    from policies.schema import Policy
 
-#: How often the heartbeat is written (and the supervisor's pid checked) while training.
-BEAT_EVERY_S = 0.5
-#: How long ranks wait for each other on the way out: rank 0 first finishes its pending saves and uploads and
-#: flushes its metrics (up to a minute), while the other ranks have nothing to close.
-FINISH_TIMEOUT_S = 1800.0
+log = logging.getLogger("rollback_supervisor.session")
 
 
 class TrainingCore:
     """One supervised training segment's machinery, independent of who drives its steps.
 
-    Owns the stop requests, the save cadence, the in-process detectors and rollback, the restore and the
-    reports; `state.step` (the TrainingState's) is the one step counter.
+    It composes the parts and owns none of their state: `resources` opens and closes what the segment
+    writes to, `decider` reads each step's end (and owns the cadence), `outcome` holds the stop and the exit
+    code, `rollback` the lineage's history; `state.step` (the TrainingState's) is the one step counter.
 
     Under torchrun (`dist`) rank 0 writes checkpoints, metrics, the heartbeat and events; every rank
     restores what rank 0 names and applies the same plan. The in-process rollback is off there: every rank
@@ -77,101 +67,89 @@ class TrainingCore:
     def __init__(
         self,
         plan: LaunchPlan,
-        policy: Any,
+        policy: Policy,
         state: TrainingState,
         *,
         config: dict[str, Any] | None = None,
         run_name: str = "train",
-        dist: Distributed | None = None,
+        dist: Collective | None = None,
         clock: Callable[[], float] = time.monotonic,
+        save_policy: SavePolicy | None = None,
     ):
         from policies import History
 
-        self.plan, self.state, self._dist, self._clock = plan, state, dist, clock
-        writer = dist is None or dist.is_writer
-        metrics = (
-            AsyncMetricLogger(metric_connection(plan, run_name, config or {}, policy.name), start=False)
-            if writer
-            else NullMetrics()
+        self.plan, self.state = plan, state
+        self.outcome = SegmentOutcome()
+        self.resources = SegmentResources.for_plan(
+            plan, policy, self.outcome.requests, config=config or {}, run_name=run_name, dist=dist
         )
-        # Only rank 0 logs: several processes opening a fresh sqlite store race on its schema. The sink (the
-        # supervisor's spool, or MLflow) is opened on the logger's thread, started after the restore so that
-        # it does not compete with it (see supervisor/runtime/metrics.py).
-        self.outputs = Outputs(metrics=metrics, heartbeat=NullHeartbeat())
         self.registered = Registered()
-        notices = notice_watcher(policy.monitor.preemption_notice) if writer else None
-        self.stops = StopSources(notices, plan.supervisor_pid)
         history = History.from_dict(plan.history) if plan.history else History()
         ck = policy.checkpoint
-        self.cadence = Cadence(
+        cadence = Cadence(
             ck.every_steps,
             ck.every_seconds,
             ck.adaptive,
             failures=failures_in(history),
             observed_s=plan.lineage_seconds,
+            policy=save_policy,
+        )
+        specs = [d for d in policy.monitor.detectors if d.type != "hang"]
+        self.decider = StepDecider(
+            cadence,
+            DetectorSet(build_detectors(specs), source="in_process"),
+            Agreement(dist.agree) if dist is not None else None,
+            observes=dist is None or dist.is_writer,
+            clock=clock,
         )
         reporter = EventReporter(plan.events_path, plan.segment)
-        self.failures = SaveFailures(reporter, self.outputs)
+        outputs = self.resources.outputs
+        self.failures = SaveFailures(reporter, outputs)
         self.rollback = InProcessRollback(policy, history, self.failures, reporter)
-        self._saver = Saver(state, self.registered, self.outputs, self.cadence, self.failures, dist)
-        self._restorer = Restorer(self.registered, self.outputs, plan.checkpoint_dir, dist)
-        specs = [d for d in policy.monitor.detectors if d.type != "hang"]
-        self._detectors = DetectorSet(build_detectors(specs), source="in_process")
-        self._agreement = Agreement(dist.agree) if dist is not None else None
-        self._faults = FaultInjector.from_env(plan.faults_path, state.rank)
-        self._stores = SegmentStore(
-            checkpoint_options(policy, plan, config) if writer else None,
-            policy.checkpoint.verify,
-        )
-        self._last_beat = 0.0
-        self.restored = False
-        self.exit_code = exitcodes.EXIT_OK
+        self._saver = Saver(state, self.registered, outputs, self.failures, dist)
+        self._restorer = PlanRestore(self.registered, outputs, plan.checkpoint_dir, dist)
+        # The fault drill listens to steps (and optimizer steps); it decides nothing.
+        self._drill = FaultInjector.from_env(plan.faults_path, state.rank)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Open what the segment writes to (workdir, store, heartbeat) and watch for notices; idempotent."""
-        if self._stores.started:
-            return
-        Path(self.plan.workdir).mkdir(parents=True, exist_ok=True)
-        self._stores.start(self.plan, self.state)
-        if self._dist is None or self._dist.is_writer:
-            self.outputs.heartbeat = HeartbeatWriter(self.plan.heartbeat_path)
-        self.stops.start()
+        self.resources.start(self.state)
+
+    def open_store(self) -> CheckpointReader:
+        """Open only the checkpoint store (the rest waits for `start()`); idempotent."""
+        return self.resources.open_store(self.state)
 
     def install_signal_handlers(self) -> None:
         """Route SIGTERM (checkpoint, then stop) and SIGUSR2 (stop now) here; main thread only."""
-        self.stops.install()
+        self.resources.stops.install()
 
     def restore_signal_handlers(self) -> None:
-        self.stops.restore()
+        self.resources.stops.restore()
 
     @property
     def store(self) -> CheckpointReader | None:
-        """This rank's view of the checkpoint store (None before `start()`)."""
-        return self._stores.reader
+        """This rank's view of the checkpoint store (None before `start()`/`open_store()`)."""
+        return self.resources.store
+
+    @property
+    def outputs(self) -> Outputs:
+        """Where the segment reports to (a test may swap the metric logger before the start)."""
+        return self.resources.outputs
+
+    @property
+    def exit_code(self) -> int:
+        return self.outcome.exit_code
+
+    @property
+    def restored(self) -> bool:
+        return self.outcome.restored
 
     def close(self) -> None:
         """Finish pending saves, close the metrics, and leave together with the other ranks."""
-        self.stops.close()
-        try:
-            if self._stores.reader is not None:
-                self.failures.despite(self.state.step, self._stores.reader.close)
-        finally:
-            metrics = self.outputs.metrics
-            metrics.close()
-            if not self.plan.supervised:
-                sink, run_id = metrics.connection(timeout=0)
-                if sink is not None and run_id is not None:
-                    status = "FINISHED" if self.exit_code == exitcodes.EXIT_OK else "FAILED"
-                    sink.client.set_terminated(run_id, status=status)
-            if self._dist is not None and self.exit_code != exitcodes.EXIT_FAILED:
-                # Every rank got here through the same agreed stop; a failed rank's peers may be stuck in a
-                # collective instead, and torchrun tears them down.
-                try:
-                    self._dist.finish(timeout_s=FINISH_TIMEOUT_S)
-                except Exception as exc:
-                    log.warning("ranks did not leave together: %s", exc)
+        step = self.state.step
+        self.resources.close(self.exit_code, lambda store: self.failures.despite(step, store.close))
         log.info("segment done: %s (exit %d)", exitcodes.DESCRIPTIONS.get(self.exit_code), self.exit_code)
 
     # -- registration and restore ----------------------------------------------------------------
@@ -182,25 +160,25 @@ class TrainingCore:
             self.state,
             name,
             obj,
-            before_step=lambda opt: self._faults.before_optimizer_step(self.state.step, [opt]),
-            after_step=lambda opt: self._faults.after_optimizer_step([opt]),
+            before_step=lambda opt: self._drill.before_optimizer_step(self.state.step, [opt]),
+            after_step=lambda opt: self._drill.after_optimizer_step([opt]),
         )
 
     def restore(self) -> CheckpointInfo | None:
         """Restore per the plan: the named checkpoint (or the latest valid), then skip batches and scale the LR."""
-        self.restored = True
+        self.outcome.restored = True
         self.start()
         self.outputs.heartbeat.beat(self.state.step, "checkpoint")  # restoring is slow, not stuck
         spec = self.plan.restore
-        info = self._restorer.restore(self._stores.writer, self._stores.need(), spec)
+        checkpoints = self.resources.checkpoints
+        info = self._restorer.restore(checkpoints.writer, checkpoints.need(), spec)
         self.outputs.metrics.start()
         self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
         return info
 
     def _after_restore(self, skip: int, lr_scale: float, info: CheckpointInfo | None, why: str) -> None:
         self._restorer.apply(skip, lr_scale)
-        self._detectors.reset_segment()
-        self.cadence.start(self.state.step, self._clock())
+        self.decider.restarted(self.state.step)
         self._restorer.report(self.state.step, skip, lr_scale, info, why)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -211,116 +189,79 @@ class TrainingCore:
 
     def step_ended(self, step: int, metrics: dict[str, float], *, final: bool = False) -> Action:
         """Step `step` ended with `metrics` (`final`: the driver's last step): what to do next."""
-        now = self._clock()
-        self.cadence.observe_step(now)
-        if now - self._last_beat >= BEAT_EVERY_S:
+        now, beat = self.decider.tick()
+        if beat:
             self.outputs.heartbeat.beat(step, "train")
-            self._last_beat = now
-            self.stops.poll()
-        events = self._observe(step, metrics)
-        if events and self._agreement is None:
+            self.resources.stops.poll()
+        events = self.decider.anomalies(step, metrics)
+        if events and self.decider.agreement is None:
             return self._anomaly(events[0], step)
-        self._faults.after_step(step)
-        writing = self.cadence.adaptive and self._stores.need().writing()
-        pending = self.stops.requests.current
-        due = self.cadence.due(step, now, writing=writing, stopping=pending is not None, final=final)
-        if self._agreement is not None:
-            return self._agree(self._agreement, events, step, due=due, writing=writing)
+        self._drill.after_step(step)
+        store = self.resources.store
+        writing = store is not None and store.writing()
+        pending = self.outcome.pending
+        due = self.decider.save_due(step, now, writing=writing, stopping=pending is not None, final=final)
+        if self.decider.agreement is not None:
+            return self._agree(events, step, due=due, writing=writing)
         if due:
             return SaveDue(step)
         return self.stopping() or CONTINUE
 
-    def _observe(self, step: int, metrics: dict[str, float]) -> list[Event]:
-        """Feed the step's metrics to the detectors; under DDP only rank 0's (what MLflow and the supervisor see)."""
-        if self._dist is not None and not self._dist.is_writer:
-            return []
-        wall = time.time()
-        segment = self._detectors.segment
-        return [
-            event
-            for key, value in metrics.items()
-            for event in self._detectors.observe(Point(key, step, float(value), wall, segment))
-        ]
-
     def _anomaly(self, event: Event, step: int) -> Action:
         """Roll back in process if the policy says so; else stop for the supervisor to decide."""
-        rolled = self.rollback.handle(self._stores.need_writer(), event, step)
+        rolled = self.rollback.handle(self.resources.need_writer(), event, step)
         if rolled is None:
-            return self._stop_for_anomaly(f"anomaly: {event.reason}")
+            return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
         decision = rolled.decision
         self._after_restore(decision.skip_batches, decision.lr_scale, rolled.info, "in-process rollback")
         return Rollback(rolled.info.id, self.state.step, decision.skip_batches, decision.lr_scale)
 
-    def _stop_for_anomaly(self, reason: str) -> Stop:
-        request = StopRequest(StopMode.NOW, reason, exitcodes.EXIT_ANOMALY)
-        self.stops.requests.force(request)
-        self.exit_code = exitcodes.EXIT_ANOMALY
-        return request.action()
-
-    def _agree(
-        self, agreement: Agreement, events: list[Event], step: int, *, due: bool, writing: bool
-    ) -> Action:
+    def _agree(self, events: list[Event], step: int, *, due: bool, writing: bool) -> Action:
         """One all_reduce per step: an anomaly or a stop anywhere stops every rank; a save is taken together."""
-        pending = self.stops.requests.current
-        mine = StepView(bool(events), pending.mode if pending else None, due, writing)
-        agreed = agreement.agree(mine)
+        agreed = self.decider.agree(events, self.outcome.pending, due=due, writing=writing)
         if agreed.anomaly:
             for event in events:  # all of them, so the supervisor's monitor finds each one reported
                 log.warning(
                     "anomaly under DDP: %s; every rank stops for the supervisor to decide", event.reason
                 )
                 self.rollback.left_to_supervisor(event)
-            return self._stop_for_anomaly("anomaly reported by rank 0")
+            return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
         if agreed.stop is not None:
-            self.stops.requests.adopt(agreed.stop, "another rank was asked to stop")
+            self.outcome.requests.adopt(agreed.stop, "another rank was asked to stop")
         if agreed.save:
             return SaveDue(step)
         return self.stopping() or CONTINUE
 
     def stopping(self) -> Stop | None:
         """The stop to carry out now, if any; under DDP only one every rank agreed on counts."""
-        if self._agreement is not None and not self._agreement.stopped:
+        if not self.decider.may_stop:
             return None
-        pending = self.stops.requests.current
+        pending = self.outcome.pending
         return pending.action() if pending is not None else None
 
     def request_stop(self, reason: str, *, checkpoint: bool = False) -> None:
         """Ask to stop after this step (with an emergency checkpoint first if `checkpoint`)."""
-        self.stops.requests.request(StopMode.CHECKPOINT if checkpoint else StopMode.NOW, reason)
+        self.outcome.request(reason, checkpoint=checkpoint)
 
     # -- saving and stopping -------------------------------------------------------------------
 
     def save(self, step: int, metrics: dict[str, float], *, force: bool = False) -> bool:
         """Checkpoint `step`; False if it failed (reported: a full or broken disk does not stop training)."""
-        return self._saver.save(self._stores.need(), step, metrics, force=force)
+        result = self._saver.save(self.resources.need(), step, metrics, force=force)
+        self.decider.saved(step, result.blocked_s, result.ended)
+        return result.ok
 
     def wait(self) -> bool:
         """Wait for pending saves and uploads; False if one failed (each failure is reported)."""
-        return self._saver.wait(self._stores.need(), self.state.step)
+        return self._saver.wait(self.resources.need(), self.state.step)
 
     def stopped(self, stop: Stop, *, saved: bool = False, seconds: float = 0.0) -> int:
         """The driver left the loop for `stop` (and wrote its checkpoint if it asked for one): the exit code."""
-        step = self.state.step
-        if not stop.checkpoint:
-            if self.exit_code == exitcodes.EXIT_OK:
-                self.exit_code = stop.exit_code
-            log.warning("stopping at step %d (%s), no checkpoint", step, stop.reason)
-            return self.exit_code
-        if saved:
-            log.warning(
-                "preempted (%s): emergency checkpoint at step %d in %.2fs", stop.reason, step, seconds
-            )
-        else:  # reported; the supervisor resumes from the newest valid checkpoint, as after a kill
-            log.error("preempted (%s): emergency checkpoint at step %d failed", stop.reason, step)
-        self.exit_code = stop.exit_code
-        return self.exit_code
+        return self.outcome.stopped(stop, self.state.step, saved=saved, seconds=seconds)
 
     def fail(self, reason: str | None = None) -> None:
         """The segment failed (an exception, or its final checkpoint did not land): exit 1 unless already set."""
-        if reason:
-            log.error("%s", reason)
-        if self.exit_code == exitcodes.EXIT_OK:
-            self.exit_code = exitcodes.EXIT_FAILED
+        self.outcome.fail(reason)
 
     @property
     def rollbacks_in_process(self) -> int:

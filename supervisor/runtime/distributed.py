@@ -162,11 +162,12 @@ class ReadOnlyCheckpoints:
     def __init__(self, directory: str | os.PathLike[str], state: TrainingState, verify: str = "full"):
         self.directory, self.state, self.verify = Path(directory), state, verify
 
-    def restore(self, checkpoint_id: str) -> CheckpointInfo:
+    def restore(self, which: str) -> CheckpointInfo:
+        """Restore the checkpoint rank 0 named (its id), verified, read-only."""
         catalog = open_store(self.directory)
-        info = catalog.get(checkpoint_id)
-        restore_local(catalog, catalog.manifest(checkpoint_id), self.state, None, self.verify)
-        log.info("rank restored checkpoint %s (read-only)", checkpoint_id)
+        info = catalog.get(which)
+        restore_local(catalog, catalog.manifest(which), self.state, None, self.verify)
+        log.info("rank restored checkpoint %s (read-only)", which)
         return info
 
     def save(

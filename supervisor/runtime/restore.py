@@ -12,10 +12,9 @@ from collections.abc import Callable
 
 from supervisor.checkpoint import CheckpointInfo
 from supervisor.errors import CheckpointNotFound
-from supervisor.runtime.distributed import Distributed
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.runtime.registry import Registered
-from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Outputs
+from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, Outputs
 
 log = logging.getLogger("rollback_supervisor.session")
 
@@ -45,10 +44,10 @@ def choose_and_restore(
     return info
 
 
-class Restorer:
+class PlanRestore:
     """Restores per the plan on every rank, and applies a restore's skip and LR scale to the registered parts."""
 
-    def __init__(self, registered: Registered, outputs: Outputs, where: str, dist: Distributed | None = None):
+    def __init__(self, registered: Registered, outputs: Outputs, where: str, dist: Collective | None = None):
         self._registered, self._outputs, self._where, self._dist = registered, outputs, where, dist
 
     def restore(
@@ -94,7 +93,7 @@ class Restorer:
                 lr_scale,
             )
 
-    def _log_ranks_applied(self, dist: Distributed, step: int) -> None:
+    def _log_ranks_applied(self, dist: Collective, step: int) -> None:
         """What every rank actually has after the restore (LR, batches skipped), logged by rank 0 per rank."""
         rows = dist.gather_values(list(self._registered.applied()))
         metrics = {}

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from supervisor.checkpoint import CheckpointInfo
 from supervisor.errors import CheckpointNotFound
@@ -22,6 +22,10 @@ from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.seams import CheckpointStore
 from supervisor.runtime.wiring import to_records
 
+if TYPE_CHECKING:
+    from policies import Decision, History
+    from policies.schema import Policy
+
 log = logging.getLogger("rollback_supervisor.session")
 
 
@@ -30,7 +34,7 @@ class RolledBack:
     """A rollback done in process: the state is `info`'s; the decision's skip and LR scale are still to apply."""
 
     info: CheckpointInfo
-    decision: Any
+    decision: Decision
 
 
 class InProcessRollback:
@@ -41,8 +45,8 @@ class InProcessRollback:
 
     def __init__(
         self,
-        policy: Any,
-        history: Any,
+        policy: Policy,
+        history: History,
         failures: SaveFailures,
         reporter: EventReporter,
         *,

@@ -41,12 +41,30 @@ class SaveContext:
 
 
 class SavePolicy(Protocol):
-    """Decides whether the step in `ctx` is checkpointed."""
+    """Decides whether the step in `ctx` is checkpointed.
+
+    `defers_while_writing`: a write in flight alone can veto a save (under DDP rank 0 tells the other ranks so);
+    `interval_steps(ctx)`: the step interval it keeps at `ctx`, None when steps do not trigger it.
+    """
+
+    @property
+    def defers_while_writing(self) -> bool: ...
 
     def should_save(self, ctx: SaveContext) -> bool: ...
 
+    def interval_steps(self, ctx: SaveContext) -> int | None: ...
+
 
 class _Combines:
+    """The defaults of a strategy that neither counts steps nor waits for writes, and `|`/`&`."""
+
+    @property
+    def defers_while_writing(self) -> bool:
+        return False
+
+    def interval_steps(self, ctx: SaveContext) -> int | None:
+        return None
+
     def __or__(self, other: SavePolicy) -> AnyOf:
         return AnyOf((self, other))  # type: ignore[arg-type]
 
@@ -60,8 +78,17 @@ class AnyOf(_Combines):
 
     policies: tuple[SavePolicy, ...]
 
+    @property
+    def defers_while_writing(self) -> bool:
+        return bool(self.policies) and all(p.defers_while_writing for p in self.policies)
+
     def should_save(self, ctx: SaveContext) -> bool:
         return any(p.should_save(ctx) for p in self.policies)
+
+    def interval_steps(self, ctx: SaveContext) -> int | None:
+        """The shortest of the members' step intervals (whichever comes first triggers)."""
+        intervals = [i for p in self.policies if (i := p.interval_steps(ctx)) is not None]
+        return min(intervals) if intervals else None
 
 
 @dataclass(frozen=True)
@@ -70,8 +97,17 @@ class AllOf(_Combines):
 
     policies: tuple[SavePolicy, ...]
 
+    @property
+    def defers_while_writing(self) -> bool:
+        return any(p.defers_while_writing for p in self.policies)
+
     def should_save(self, ctx: SaveContext) -> bool:
         return all(p.should_save(ctx) for p in self.policies)
+
+    def interval_steps(self, ctx: SaveContext) -> int | None:
+        """The longest of the members' step intervals (every one must agree)."""
+        intervals = [i for p in self.policies if (i := p.interval_steps(ctx)) is not None]
+        return max(intervals) if intervals else None
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,9 @@ class EverySteps(_Combines):
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.steps == 0
 
+    def interval_steps(self, ctx: SaveContext) -> int | None:
+        return self.steps
+
 
 @dataclass(frozen=True)
 class StepsSinceSave(_Combines):
@@ -100,6 +139,9 @@ class StepsSinceSave(_Combines):
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step - ctx.last_save_step >= self.steps
+
+    def interval_steps(self, ctx: SaveContext) -> int | None:
+        return self.steps
 
 
 @dataclass(frozen=True)
@@ -144,6 +186,10 @@ class Adaptive(_Combines):
 @dataclass(frozen=True)
 class NotWhileWriting(_Combines):
     """Not while a write is in flight: a policy free to pick its moment saves at the first step after it."""
+
+    @property
+    def defers_while_writing(self) -> bool:
+        return True
 
     def should_save(self, ctx: SaveContext) -> bool:
         return not ctx.writing

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from supervisor.runtime.cadence import Cadence
-from supervisor.runtime.distributed import Distributed
 from supervisor.runtime.metrics import MetricsSent
 from supervisor.runtime.registry import Registered
 from supervisor.runtime.save_failures import SaveFailures
-from supervisor.runtime.seams import CheckpointReader, Outputs
+from supervisor.runtime.seams import CheckpointReader, Collective, Outputs
 from supervisor.state import TrainingState
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """One save from the training side: whether it landed, how long it blocked training, when it ended."""
+
+    ok: bool
+    blocked_s: float
+    ended: float
 
 
 class Saver:
     """Saves through the store without ever letting a failed save stop training.
 
-    The time `save()` blocks training is the cadence's save cost.
+    What `save()` blocked training for is the cadence's save cost: the caller records it (the decider owns
+    the cadence).
     """
 
     def __init__(
@@ -25,19 +34,18 @@ class Saver:
         state: TrainingState,
         registered: Registered,
         outputs: Outputs,
-        cadence: Cadence,
         failures: SaveFailures,
-        dist: Distributed | None = None,
+        dist: Collective | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._state, self._registered, self._outputs = state, registered, outputs
-        self._cadence, self._failures, self._dist, self._clock = cadence, failures, dist, clock
+        self._failures, self._dist, self._clock = failures, dist, clock
 
     def save(
         self, store: CheckpointReader, step: int, metrics: dict[str, float], *, force: bool = False
-    ) -> bool:
-        """Checkpoint `step`; False if it failed (reported: a full or broken disk does not stop training)."""
+    ) -> SaveResult:
+        """Checkpoint `step`; not `ok` if it failed (reported: a full or broken disk does not stop training)."""
         t0 = self._clock()
         self._outputs.heartbeat.beat(step, "checkpoint")
         values = {k: float(v) for k, v in metrics.items()}
@@ -62,10 +70,9 @@ class Saver:
             self._failures.failed(exc, step)
             ok = False
         sent.ask()  # the state is copied: send the metrics now, beside training rather than beside the copy
-        self._cadence.observe_save(self._clock() - t0)
-        self._cadence.saved(step, self._clock())
+        ended = self._clock()
         self._outputs.heartbeat.beat(step, "train")
-        return ok
+        return SaveResult(ok, ended - t0, ended)
 
     def wait(self, store: CheckpointReader, step: int) -> bool:
         """Wait for pending saves and uploads; False if one failed (each failure is reported)."""

@@ -8,17 +8,18 @@ The core never names a concrete class at these seams: rank 0 gets a `CheckpointM
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from supervisor.checkpoint import CheckpointInfo
+from supervisor.checkpoint.restorer import Which
 
 
 class CheckpointReader(Protocol):
     """The store as every rank sees it: restore what rank 0 names, take part in saves, close."""
 
-    def restore(self, checkpoint_id: str) -> CheckpointInfo: ...
+    def restore(self, which: str) -> CheckpointInfo: ...
 
     def save(
         self,
@@ -28,7 +29,7 @@ class CheckpointReader(Protocol):
         force: bool = False,
         before_commit: Callable[[], Any] | None = None,
         rank_states: dict[str, Any] | None = None,
-    ) -> Any: ...
+    ) -> CheckpointInfo | None: ...
 
     def writing(self) -> bool: ...
 
@@ -46,21 +47,41 @@ class CheckpointStore(CheckpointReader, Protocol):
 
     def candidates(self) -> list[CheckpointInfo]: ...
 
-    def restore(self, which: Any = "latest") -> CheckpointInfo: ...  # an id, "latest" or an info
+    def restore(self, which: Which = "latest") -> CheckpointInfo: ...  # an id, "latest" or an info
 
-    def restore_memory(self, which: Any, *, wait: bool = True) -> CheckpointInfo: ...
+    def restore_memory(self, which: Which = "latest", *, wait: bool = True) -> CheckpointInfo: ...
 
-    def abandon_after(self, which: Any, *, wait: bool = True) -> list[CheckpointInfo]: ...
+    def abandon_after(self, which: Which, *, wait: bool = True) -> list[CheckpointInfo]: ...
 
     def protect(self, ids: Iterable[str]) -> None: ...
 
     def unprotect(self, ids: Iterable[str]) -> None: ...
 
 
+class Collective(Protocol):
+    """The collectives the core needs under DDP (`Distributed`; tests simulate ranks with their own)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_writer(self) -> bool: ...
+
+    def agree(self, *flags: int) -> tuple[int, ...]: ...
+
+    def broadcast_outcome(self, value: str | None, error: BaseException | None = None) -> str | None: ...
+
+    def gather_values(self, values: Sequence[float]) -> list[list[float]]: ...
+
+    def gather_state(self, nested: dict[str, Any]) -> dict[str, Any] | None: ...
+
+    def finish(self, timeout_s: float = 60.0) -> None: ...
+
+
 class Heartbeat(Protocol):
     """Tells the supervisor this process is alive, at which step and in which phase."""
 
-    def beat(self, step: int, phase: str = "train") -> Any: ...
+    def beat(self, step: int, phase: str = "train") -> object: ...
 
 
 class MetricsLogger(Protocol):

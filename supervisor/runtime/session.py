@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.data
@@ -19,9 +19,13 @@ from supervisor.runtime.actions import Action, Rollback, SaveDue
 from supervisor.runtime.core import TrainingCore
 from supervisor.runtime.distributed import Distributed
 from supervisor.runtime.plan import LaunchPlan, load_plan
-from supervisor.runtime.seams import CheckpointReader, MetricsLogger
+from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, MetricsLogger
 from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
+
+if TYPE_CHECKING:
+    from policies import History
+    from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
 
@@ -41,7 +45,7 @@ class Session:
         *,
         config: dict[str, Any] | None = None,
         run_name: str = "train",
-        dist: Distributed | None = None,
+        dist: Collective | None = None,
     ):
         self.plan = plan
         self.dist = dist
@@ -87,12 +91,14 @@ class Session:
         return self._core.state
 
     @property
-    def manager(self) -> CheckpointReader | None:
-        """This rank's checkpoint store (rank 0: the CheckpointManager); None before the segment started."""
-        return self._core.store
+    def manager(self) -> CheckpointStore | CheckpointReader:
+        """This rank's checkpoint store: rank 0's `CheckpointManager` (a `CheckpointStore`), the other ranks' a
+        read-only `CheckpointReader`. Opened on first use (it locks its directory), not when the Session is built."""
+        return self._core.open_store()
 
     @property
     def exit_code(self) -> int:
+        """What the segment exits with (read-only: the core sets it when the segment stops or fails)."""
         return self._core.exit_code
 
     @property
@@ -104,11 +110,12 @@ class Session:
         return self._core.failures.count
 
     @property
-    def policy(self) -> Any:
+    def policy(self) -> Policy:
+        """The lineage's policy (read-only: the segment was built from it)."""
         return self._core.rollback.policy
 
     @property
-    def history(self) -> Any:
+    def history(self) -> History:
         """The lineage's decisions so far, in-process rollbacks of this segment included."""
         return self._core.rollback.history
 
@@ -206,8 +213,18 @@ class Session:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def __enter__(self) -> Session:
-        self._core.start()
+        # Handlers first: installing them fails off the main thread, and then `__exit__` never runs to close
+        # what `start()` would have opened.
         self._core.install_signal_handlers()
+        try:
+            self._core.start()
+        except BaseException:
+            self._core.fail()  # failed: the other ranks are not waited for on the way out
+            try:
+                self.close()
+            finally:
+                self._core.restore_signal_handlers()
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -5,8 +5,9 @@ SIGTERM (a preemption) and a cloud preemption notice ask for a stop with an emer
 cannot handle itself overrides any (it stops at once, exit 76).
 
 Thread-safety: requests come from a signal handler (the main thread, between two bytecodes), the notice
-watcher's thread and the training thread. A request is one immutable value assigned in one step, so no lock
-is taken; a lock would deadlock a handler that interrupts its own thread while that thread holds it.
+watcher's thread and the training thread. `StopRequests` changes its one immutable value under a reentrant
+lock, so a notice cannot overwrite an anomaly's stop between its check and its set; reentrant, because a
+handler may interrupt its own thread while that thread holds the lock (a plain lock would deadlock there).
 """
 
 from __future__ import annotations
@@ -14,18 +15,26 @@ from __future__ import annotations
 import enum
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from supervisor import exitcodes
 from supervisor.monitor import NoticeWatcher
+from supervisor.monitor.notices import Notice
 from supervisor.runtime.actions import Stop
 
+if TYPE_CHECKING:
+    from policies.monitor_schema import PreemptionNotice
+
 log = logging.getLogger("rollback_supervisor.session")
+
+#: Builds the notice watcher around the callback it calls on a notice.
+WatcherFactory = Callable[[Callable[[Notice], None]], NoticeWatcher]
 
 
 class StopMode(enum.IntEnum):
@@ -62,27 +71,31 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.current: StopRequest | None = None
+        self._lock = threading.RLock()
 
     def request(self, mode: StopMode, reason: str) -> None:
         """Ask to stop; ignored when a stop is already pending (the first reason is the one reported)."""
-        if self.current is None:
-            self.current = request_for(mode, reason)
+        with self._lock:
+            if self.current is None:
+                self.current = request_for(mode, reason)
 
     def force(self, request: StopRequest) -> None:
         """Stop for this reason, whatever was pending (an anomaly the supervisor must handle)."""
-        self.current = request
+        with self._lock:
+            self.current = request
 
     def adopt(self, mode: StopMode, reason: str) -> None:
         """The ranks agreed on `mode`: take it unless a gentler one of ours was not overruled; keep our reason."""
-        mine = self.current
-        if mine is None or mode is StopMode.NOW:
-            self.current = request_for(mode, mine.reason if mine and mine.reason else reason)
+        with self._lock:
+            mine = self.current
+            if mine is None or mode is StopMode.NOW:
+                self.current = request_for(mode, mine.reason if mine and mine.reason else reason)
 
     def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
         """The handler for SIGNAL_MODES."""
         self.request(SIGNAL_MODES[signal.Signals(signum)], signal.Signals(signum).name)
 
-    def on_notice(self, notice: Any) -> None:
+    def on_notice(self, notice: Notice) -> None:
         """The notice watcher's callback: the machine is about to go, save first."""
         self.request(StopMode.CHECKPOINT, f"preemption notice: {notice}")
 
@@ -129,12 +142,13 @@ class StopSources:
 
     def __init__(
         self,
-        notices: Callable[[Callable[[Any], None]], NoticeWatcher] | None = None,
+        notices: WatcherFactory | None = None,
         supervisor_pid: int | None = None,
         *,
         pid_exists: Callable[[int], bool] = psutil.pid_exists,
+        requests: StopRequests | None = None,
     ):
-        self.requests = StopRequests()
+        self.requests = requests if requests is not None else StopRequests()
         self._signals = SignalHandlers(self.requests)
         self._watch = SupervisorWatch(supervisor_pid, pid_exists=pid_exists)
         self._make_watcher = notices
@@ -160,12 +174,12 @@ class StopSources:
             self._watcher.stop()
 
 
-def notice_watcher(spec: Any) -> Callable[[Callable[[Any], None]], NoticeWatcher] | None:
+def notice_watcher(spec: PreemptionNotice) -> WatcherFactory | None:
     """What builds the watcher for a policy's `monitor.preemption_notice`, or None when it names no provider."""
     if spec.provider == "none":
         return None
 
-    def build(on_notice: Callable[[Any], None]) -> NoticeWatcher:
+    def build(on_notice: Callable[[Notice], None]) -> NoticeWatcher:
         return NoticeWatcher(spec.provider, on_notice, endpoint=spec.endpoint, interval=spec.poll_seconds)
 
     return build

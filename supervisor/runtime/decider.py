@@ -1,0 +1,88 @@
+"""What a step's end means, apart from acting on it: heartbeat pacing, anomalies, whether a save is due, and
+under DDP what every rank agrees on. The only writer of the save cadence."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from supervisor.events import Event
+from supervisor.monitor import DetectorSet, Point
+from supervisor.runtime.agreement import Agreement, StepView
+from supervisor.runtime.cadence import Cadence
+from supervisor.runtime.stops import StopRequest
+
+#: How often the heartbeat is written (and the supervisor's pid checked) while training.
+BEAT_EVERY_S = 0.5
+
+
+class StepDecider:
+    """Decides after each step from the cadence, the detectors and (under DDP) the agreement.
+
+    `observes`: this rank feeds the detectors (under DDP only rank 0: its metrics are what MLflow and the
+    supervisor see). Nearly pure: the clocks are injected. Not thread-safe: the training thread calls it.
+    """
+
+    def __init__(
+        self,
+        cadence: Cadence,
+        detectors: DetectorSet,
+        agreement: Agreement | None = None,
+        *,
+        observes: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ):
+        self.cadence, self._detectors, self.agreement = cadence, detectors, agreement
+        self._observes, self._clock, self._wall = observes, clock, wall
+        self._last_beat = 0.0
+
+    def restarted(self, step: int) -> None:
+        """The state was restored to `step`: the detectors start a new segment, the cadence counts from here."""
+        self._detectors.reset_segment()
+        self.cadence.start(step, self._clock())
+
+    def tick(self) -> tuple[float, bool]:
+        """A step ended now: (now, whether to beat the heartbeat and poll the stop sources)."""
+        now = self._clock()
+        self.cadence.observe_step(now)
+        beat = now - self._last_beat >= BEAT_EVERY_S
+        if beat:
+            self._last_beat = now
+        return now, beat
+
+    def anomalies(self, step: int, metrics: dict[str, float]) -> list[Event]:
+        """What the detectors see in the step's metrics (nothing on a rank that does not observe)."""
+        if not self._observes:
+            return []
+        wall = self._wall()
+        segment = self._detectors.segment
+        return [
+            event
+            for key, value in metrics.items()
+            for event in self._detectors.observe(Point(key, step, float(value), wall, segment))
+        ]
+
+    def save_due(self, step: int, now: float, *, writing: bool, stopping: bool, final: bool) -> bool:
+        """Whether the save policy checkpoints `step` (`writing`: the store has a write in flight)."""
+        return self.cadence.due(step, now, writing=writing, stopping=stopping, final=final)
+
+    def agree(
+        self, events: list[Event], pending: StopRequest | None, *, due: bool, writing: bool
+    ) -> StepView:
+        """Under DDP, every rank's merged view; this rank defers a save for its write only if its policy does."""
+        if self.agreement is None:
+            raise RuntimeError("StepDecider.agree() is for DDP: build it with an Agreement")
+        defer = writing and self.cadence.defers_while_writing
+        mine = StepView(bool(events), pending.mode if pending else None, due, defer)
+        return self.agreement.agree(mine)
+
+    @property
+    def may_stop(self) -> bool:
+        """Whether a pending stop is carried out now: always alone; under DDP once every rank agreed."""
+        return self.agreement is None or self.agreement.stopped
+
+    def saved(self, step: int, blocked_s: float, now: float) -> None:
+        """A save of `step` blocked training `blocked_s` and ended at `now`."""
+        self.cadence.observe_save(blocked_s)
+        self.cadence.saved(step, now)
