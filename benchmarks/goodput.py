@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from supervisor.lineage import LineageRecord
     from supervisor.orchestrator import LineageRunner, Outcome
 
+#: The final reason of a goodput lineage, whether its budget ran out or the run broke off.
+BUDGET_SPENT = "goodput benchmark budget spent"
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 
@@ -177,6 +179,7 @@ def run_config(
         env=env,
         stop_grace_seconds=60,
         cwd=str(REPO),
+        max_segments=sys.maxsize,  # unbounded, as before: the time budget ends the loop, not a segment count
     )
     budget = minutes * 60.0
     offsets = arrivals(rate_per_min, budget, random.Random(seed))
@@ -187,17 +190,21 @@ def run_config(
 
         def after_segment(decision: Decision | None, record: LineageRecord) -> Outcome | None:
             if preemptor.over.is_set() or time.time() >= t0 + budget:
-                return Outcome("stopped", "goodput benchmark budget spent")
+                return Outcome("stopped", BUDGET_SPENT)
             if decision is None or decision.action != "resume":
                 raise BenchRunError(f"{lineage}: expected a resume after a preemption, got {decision}")
             return None
 
         preemptor.start()
+        failed = True
         try:
             record = runner.supervise(on_decision=after_segment)
+            failed = False
         finally:
             preemptor.stop()
             preemptor.join()
+            if failed:  # as before: an error still closes the MLflow run and the record, then propagates
+                runner.finish("stopped", BUDGET_SPENT)
     t_end = t0 + budget
     catalog = runner.catalog()
     latest = catalog.latest() if catalog is not None else None

@@ -8,7 +8,8 @@ import threading
 
 import psutil
 
-from supervisor.launcher import ExitInfo, Launcher, LaunchSpec, LocalLauncher, SegmentHandle
+from supervisor.launcher import ExitInfo, Launcher, LaunchSpec, LocalLauncher, SegmentHandle, process_started
+from supervisor.launcher.local import environment
 
 PY = sys.executable
 
@@ -16,7 +17,8 @@ PY = sys.executable
 def _start(code: str, lines: list | None = None, **env: str) -> SegmentHandle:
     launcher: Launcher = LocalLauncher()
     sink = (lambda stream, line: lines.append((stream, line))) if lines is not None else None
-    return launcher.start(LaunchSpec((PY, "-c", code), env={"PATH": "/usr/bin:/bin", **env}), sink)
+    spec = LaunchSpec((PY, "-c", code), env_overrides={"PATH": "/usr/bin:/bin", **env}, inherit_env=False)
+    return launcher.start(spec, sink)
 
 
 def test_output_is_streamed_line_by_line_and_kept_as_tails():
@@ -39,7 +41,7 @@ def test_the_handle_id_is_the_pid_and_the_details_identify_the_process():
 
 
 def test_wait_exit_returns_none_while_running_and_the_code_once_it_exited():
-    handle = _start("import sys; sys.stdin.readline(); sys.exit(5)")
+    handle = _start("import time; time.sleep(60)")  # not stdin: it is /dev/null under CI
     assert handle.wait_exit(0.05) is None and handle.poll() is None
     handle.stop(5, sig=signal.SIGTERM)
     assert handle.wait_exit(5) == -signal.SIGTERM
@@ -84,3 +86,117 @@ def test_a_failing_output_sink_does_not_block_the_child():
     handle = LocalLauncher().start(LaunchSpec((PY, "-c", "for i in range(2000): print(i)")), broken)
     info = handle.wait()
     assert info.returncode == 0 and info.stdout_tail.endswith("1999")
+
+
+def test_a_child_outlives_its_leader_killed_by_the_signal_and_gets_the_grace(tmp_path):
+    # torchrun's agent (or a shell) dies of SIGUSR2 at once; its children must still run their handlers.
+    done = tmp_path / "saved"
+    child = (
+        "import signal, sys, time\n"
+        "def handler(signum, frame):\n"
+        "    time.sleep(0.3)\n"
+        f"    open({str(done)!r}, 'w').write('saved')\n"
+        "    sys.exit(3)\n"
+        "signal.signal(signal.SIGUSR2, handler)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    leader = f"import subprocess, time\nsubprocess.Popen([{PY!r}, '-c', {child!r}])\ntime.sleep(60)\n"
+    ready = threading.Event()
+    handle = LocalLauncher().start(
+        LaunchSpec((PY, "-c", leader)), lambda stream, line: line == "ready" and ready.set()
+    )
+    assert ready.wait(30)
+    handle.stop(10, sig=signal.SIGUSR2)
+    info = handle.wait()
+    assert info.returncode == -signal.SIGUSR2 and info.signal_sent == signal.SIGUSR2
+    assert done.read_text() == "saved"  # without the wait for descendants, SIGKILL came first
+
+
+def test_a_child_that_outstays_the_grace_is_killed_once_its_leader_died(tmp_path):
+    child = "import signal, time\nsignal.signal(signal.SIGUSR2, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    leader = f"import subprocess, sys, time\np = subprocess.Popen([{PY!r}, '-c', {child!r}])\nprint(p.pid, flush=True)\ntime.sleep(60)\n"
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def sink(stream: str, line: str) -> None:
+        lines.append(line)
+        if line == "ready":
+            ready.set()
+
+    handle = LocalLauncher().start(LaunchSpec((PY, "-c", leader)), sink)
+    assert ready.wait(30)
+    handle.stop(0.5, sig=signal.SIGUSR2)
+    handle.wait()
+    grandchild = int(next(line for line in lines if line != "ready"))
+    assert _ends(grandchild)
+
+
+def _ends(pid: int, within: float = 5.0) -> bool:
+    """Whether `pid` is gone or a zombie within `within` seconds (a SIGKILL lands asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_wait_with_a_timeout_raises_timeout_error_while_running():
+    handle = _start("import time; time.sleep(60)")
+    assert handle.started()
+    try:
+        handle.wait(0.05)
+        raise AssertionError("wait returned while the segment runs")
+    except TimeoutError:
+        pass
+    handle.kill()
+    assert handle.wait(10).returncode == -signal.SIGKILL
+
+
+def test_the_environment_is_ours_plus_the_overrides_or_only_the_overrides(monkeypatch):
+    monkeypatch.setenv("RS_TEST_OURS", "1")
+    assert environment(LaunchSpec(("x",))) is None  # exactly ours
+    inherited = environment(LaunchSpec(("x",), env_overrides={"A": "2"}))
+    assert inherited is not None and inherited["RS_TEST_OURS"] == "1" and inherited["A"] == "2"
+    assert environment(LaunchSpec(("x",), env_overrides={"A": "2"}, inherit_env=False)) == {"A": "2"}
+    handle = LocalLauncher().start(
+        LaunchSpec(
+            (PY, "-c", "import os; print(os.environ.get('RS_TEST_OURS'), os.environ['A'])"), {"A": "2"}
+        )
+    )
+    assert handle.wait(30).stdout_tail == "1 2"
+
+
+def test_reclaim_kills_only_its_own_segment_on_this_host(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    sleep = [PY, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(
+        sleep, start_new_session=True, env={**os.environ, "RS_PLAN": str(tmp_path / "p.json")}
+    )
+    try:
+        details = {
+            "pid": ours.pid,
+            "pid_started": process_started(ours.pid),
+            "host": socket.gethostname(),
+            "index": 0,
+            "env_in_dir": {"RS_PLAN": str(tmp_path)},
+        }
+        LocalLauncher().reclaim({**details, "host": "elsewhere"})
+        LocalLauncher().reclaim({**details, "env_in_dir": {"RS_PLAN": str(tmp_path / "other")}})
+        LocalLauncher().reclaim({**details, "pid_started": details["pid_started"] - 100})  # PID reused
+        assert ours.poll() is None
+        LocalLauncher().reclaim(details)
+        assert ours.wait(10) == -signal.SIGKILL
+    finally:
+        if ours.poll() is None:
+            ours.kill()
+            ours.wait()

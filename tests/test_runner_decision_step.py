@@ -162,6 +162,20 @@ def test_the_event_we_stopped_for_wins_over_the_exit_code(tmp_path: Path):
     assert record.segments[0].event["type"] == "hang"
 
 
+@pytest.mark.parametrize(("cause", "event_type"), [("preemption", "preemption"), (None, "software_error")])
+def test_a_launchers_own_verdict_wins_over_the_exit_code_and_stderr(tmp_path: Path, cause, event_type):
+    # A scheduler says PREEMPTED; the exit code and the traceback alone would read as a software error.
+    step, _ = _step(tmp_path, Catalog(CHECKPOINTS))
+    record = _record(SegmentRecord(index=0, started=0.0))
+    stderr = 'Traceback (most recent call last):\n  File "t.py"\nValueError: bad shape'
+    info = ExitInfo(1, stderr, "", None, "job-7", 1.0, cause=cause)
+    decision = step.conclude(record, SegmentResult(0, info, None, 0.0, 10.0, 33))
+    assert record.segments[0].event["type"] == event_type
+    assert decision is not None and decision.action == ("resume" if cause else "fail")
+    if cause:
+        assert record.segments[0].event["source"] == "launcher"
+
+
 def _report(event: Event, **extra) -> dict:
     return {"seq": 1, "time": 5.0, "event": event.to_dict(), **extra}
 

@@ -18,8 +18,9 @@ from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings
 class Handle:
     """A segment that runs for `polls` polls, or until stopped; records every signal."""
 
-    def __init__(self, polls: int, sink) -> None:
+    def __init__(self, polls: int, sink, queued: int = 0) -> None:
         self.left = polls
+        self.queued = queued  #: started() answers False this many times (a scheduler's queue)
         self.sink = sink
         self.signals: list[tuple[int, float]] = []
         self.waits: list[float] = []
@@ -31,6 +32,10 @@ class Handle:
 
     def details(self) -> dict:
         return {"pid": 99, "pid_started": 1.5}
+
+    def started(self) -> bool:
+        self.queued -= 1
+        return self.queued < 0
 
     def poll(self) -> int | None:
         if self.code is None and self.left <= 0:
@@ -51,22 +56,26 @@ class Handle:
     def kill(self) -> None:
         self.stop(0, signal.SIGKILL)
 
-    def wait(self) -> ExitInfo:
+    def wait(self, timeout: float | None = None) -> ExitInfo:
         self.poll()
         sent = self.signals[0][0] if self.signals else None
         return ExitInfo(self.code if self.code is not None else 0, "", "", sent, self.handle_id, 1.0)
 
 
 class Launcher:
-    def __init__(self, polls: int) -> None:
+    def __init__(self, polls: int, queued: int = 0) -> None:
         self.polls = polls
+        self.queued = queued
         self.handles: list[Handle] = []
         self.specs: list[LaunchSpec] = []
 
     def start(self, spec: LaunchSpec, on_line=None) -> Handle:
         self.specs.append(spec)
-        self.handles.append(Handle(self.polls, on_line))
+        self.handles.append(Handle(self.polls, on_line, self.queued))
         return self.handles[-1]
+
+    def reclaim(self, details) -> None:
+        raise AssertionError("a running segment is never reclaimed")
 
 
 class Watcher:
@@ -110,9 +119,11 @@ class Shipper:
 class Rig:
     """A SegmentRun over the fakes, and everything it touched."""
 
-    def __init__(self, tmp_path: Path, *, polls: int, events=None, lease=None, open_watcher=None):
+    def __init__(
+        self, tmp_path: Path, *, polls: int, events=None, lease=None, open_watcher=None, queued: int = 0
+    ):
         self.tmp_path = tmp_path
-        self.launcher = Launcher(polls)
+        self.launcher = Launcher(polls, queued)
         self.record = LineageRecord(lineage="t", status="running", mlflow=MlflowRef("u", "e", "r"))
         self.seg = SegmentRecord(index=0, started=0.0, restore={"checkpoint_id": "c40", "skip_batches": 0})
         self.record.segments.append(self.seg)
@@ -166,6 +177,19 @@ def test_a_segment_that_exits_by_itself(tmp_path: Path):
     assert rig.lines == ["tick 2", "tick 1", "tick 0"]
     logged = (tmp_path / "0.log").read_text().splitlines()
     assert logged == ["stdout: tick 2", "stdout: tick 1", "stdout: tick 0"]
+
+
+def test_a_queued_segment_is_not_watched_until_it_started(tmp_path: Path):
+    # The hang detector's grace must not run while a scheduler's job waits in its queue.
+    hang = Event(type="hang", reason="no heartbeat")
+    rig = Rig(tmp_path, polls=5, events={1: [hang]}, queued=3)
+    checks_before = rig.run.lease.checks
+    result = rig()
+    assert rig.watcher.begun == [123.0] and rig.watcher.polls == 1  # begun once, after the queue
+    assert result.stopped_for == hang and rig.handle.signals == [(signal.SIGUSR2, 7.0)]
+    # Queued for three answers: at launch, then two polls of the watch that waited on the handle.
+    assert rig.handle.waits == [0.5, 0.5] and rig.handle.queued == -1
+    assert rig.run.lease.checks - checks_before == 2  # the lease was checked while queued
 
 
 def test_an_anomaly_stops_the_segment_with_sigusr2(tmp_path: Path):

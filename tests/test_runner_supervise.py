@@ -114,3 +114,38 @@ def test_the_constructor_touches_neither_the_disk_nor_the_environment(tmp_path: 
 def test_the_facade_holds_a_dozen_attributes_at_most(tmp_path: Path):
     runner = LineageRunner(_options(tmp_path, 0))
     assert len(vars(runner)) <= 12, sorted(vars(runner))
+
+
+def _vanished(tmp_path: Path, restarts: int) -> RunOptions:
+    """A lineage whose supervisor vanished mid-segment (its segment has no end), under `restarts` restarts."""
+    from supervisor.lineage import SegmentRecord
+
+    options = _options(tmp_path, exitcodes.EXIT_OK)
+    policy = Path(options.policy_path)
+    text = policy.read_text().replace("max_restarts: 6", f"max_restarts: {restarts}")
+    policy.write_text(text.replace("max_rollbacks: 3", f"max_rollbacks: {min(restarts, 3)}"))
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        runner.open()
+        runner.record.segments.append(SegmentRecord(index=0, started=1.0, host="gone"))
+        runner.book.save()
+    return options
+
+
+def test_a_pending_backoff_is_honoured_once_then_the_lineage_runs(tmp_path: Path):
+    sleeps: list[float] = []
+    with LineageRunner(_vanished(tmp_path, restarts=6), sleep=sleeps.append) as runner:
+        record = runner.supervise()
+        assert [s.outcome for s in record.segments] == ["interrupted", "finished"]
+        assert sleeps == [0.1] and record.status == "finished"
+        again = runner.supervise()  # on the still open runner: the stale pending decision is not replayed
+    assert sleeps == [0.1] and again.status == "finished" and len(again.segments) == 3
+
+
+def test_a_pending_failure_ends_the_lineage_before_any_segment(tmp_path: Path):
+    sleeps: list[float] = []
+    with LineageRunner(_vanished(tmp_path, restarts=0), sleep=sleeps.append) as runner:
+        record = runner.supervise()
+        assert len(record.segments) == 1 and record.status == "failed" and sleeps == []
+        assert record.final_reason == record.segments[0].decision["reason"]
+        again = runner.supervise()  # not failed again by the old decision: the lineage runs
+    assert again.status == "finished" and len(again.segments) == 2

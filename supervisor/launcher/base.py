@@ -2,7 +2,10 @@
 
 A `Launcher` turns a `LaunchSpec` into a `SegmentHandle`. The protocol speaks of handle ids, not PIDs, so that
 a scheduler (SLURM's job id, a Kubernetes pod name) can implement it; what identifies a running segment on its
-own terms (a local PID and its start time) is returned by `details()` and kept in the segment's record.
+own terms (a local PID and its start time) is returned by `details()` and kept in the segment's record, and
+`Launcher.reclaim()` uses it to end a segment that a vanished supervisor left running. Signals are POSIX
+numbers and best effort: a scheduler forwards them (`scancel -s`) or maps them to what it can do (delete a pod
+with a grace period).
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ OnLine = Callable[[str, str], None]
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """What to run: the command, its complete environment and its working directory."""
+    """What to run: the command, its environment and working directory, and a name for the job.
+
+    The environment is `env_overrides` on top of the launcher's base environment: the supervisor's own
+    (`os.environ` for the local launcher) when `inherit_env`, else nothing. A scheduler decides what
+    inheriting means for its jobs (SLURM: `--export`).
+    """
 
     command: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
+    env_overrides: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    inherit_env: bool = True
+    name: str = ""  #: the job's name (lineage and segment), for a scheduler's `--job-name`
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,10 @@ class ExitInfo:
     signal_sent: int | None  #: the signal *we* sent to stop it, if any
     handle_id: str  #: the launcher's id of the segment (local: the PID)
     duration_s: float
+    cause: str | None = None
+    """The launcher's own verdict, as an event type (e.g. "preemption" for SLURM's PREEMPTED, "hardware_fault"
+    for NODE_FAIL); None when it has none (the local launchers). When set, the decision step takes it over
+    the exit code and stderr."""
 
 
 class SegmentHandle(Protocol):
@@ -46,7 +60,11 @@ class SegmentHandle(Protocol):
         ...
 
     def details(self) -> dict[str, Any]:
-        """What the lineage record keeps to find this segment again after a supervisor crash."""
+        """What the lineage record keeps to find this segment again after a supervisor crash (see reclaim)."""
+        ...
+
+    def started(self) -> bool:
+        """Whether it is running yet (local: at once; a scheduler: once the job left the queue)."""
         ...
 
     def poll(self) -> int | None:
@@ -65,8 +83,8 @@ class SegmentHandle(Protocol):
         """Kill all of it now (no grace), recorded as sent by us."""
         ...
 
-    def wait(self) -> ExitInfo:
-        """Wait for the exit, reap what it left behind, and say how it ended."""
+    def wait(self, timeout: float | None = None) -> ExitInfo:
+        """Wait for the exit, reap what it left behind, and say how it ended; TimeoutError after `timeout`."""
         ...
 
 
@@ -75,4 +93,14 @@ class Launcher(Protocol):
 
     def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> SegmentHandle:
         """Start `spec`, streaming its output lines to `on_line`."""
+        ...
+
+    def reclaim(self, details: Mapping[str, Any]) -> None:
+        """End a segment that a vanished supervisor left running, if it still runs.
+
+        `details` is what the segment's record keeps: what `SegmentHandle.details()` returned, plus `host` and
+        `index`, plus `env_in_dir` ({variable: directory}: the segment was started with that variable set to
+        a path in that directory), by which a launcher that can read a process's environment recognises its
+        own. Anything that may no longer be that segment (a reused PID) must be left alone.
+        """
         ...

@@ -6,9 +6,12 @@ import collections
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -16,6 +19,10 @@ import psutil
 from supervisor.launcher.base import ExitInfo, LaunchSpec, OnLine
 
 log = logging.getLogger("rollback_supervisor.launcher")
+
+
+#: How long reaping waits for SIGKILLed descendants to be gone.
+REAP_WAIT_SECONDS = 5.0
 
 
 def _ignore(stream: str, line: str) -> None:
@@ -31,7 +38,7 @@ class LocalLauncher:
     def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> LocalSegment:
         proc = subprocess.Popen(
             list(spec.command),
-            env=dict(spec.env) if spec.env else None,
+            env=environment(spec),
             cwd=spec.cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -41,6 +48,56 @@ class LocalLauncher:
             bufsize=1,
         )
         return LocalSegment(proc, on_line=on_line, tail_lines=self.tail_lines).start()
+
+    def reclaim(self, details: Mapping[str, Any]) -> None:
+        """SIGKILL the process group a vanished supervisor left running on this host, if it is still that one.
+
+        Only the very process the segment started (see `is_segment_process`): a PID reused since by an
+        unrelated process is left alone, and so is a segment that ran on another host.
+        """
+        pid, host, index = details.get("pid"), details.get("host"), details.get("index")
+        if not pid or host != socket.gethostname():
+            return
+        if not is_segment_process(pid, details.get("pid_started"), details.get("env_in_dir") or {}):
+            log.info("segment %s: pid %d is gone or was reused; nothing to kill", index, pid)
+            return
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+                log.warning("killed stale training process group %d of segment %s", pid, index)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def environment(spec: LaunchSpec) -> dict[str, str] | None:
+    """The child's environment: ours plus the overrides (None: exactly ours), or only the overrides."""
+    if not spec.inherit_env:
+        return dict(spec.env_overrides)
+    if not spec.env_overrides:
+        return None
+    return {**os.environ, **spec.env_overrides}
+
+
+def is_segment_process(pid: int, started: float | None, env_in_dir: Mapping[str, str]) -> bool:
+    """Whether `pid` is still the training process a segment started.
+
+    Its start time must match the recorded one within a second (psutil derives it from the boot time, which
+    can move by about that much when the clock is adjusted), and where its environment is readable each
+    variable of `env_in_dir` must name a path in the given directory (the runner's launch plan). A record
+    from before start times were kept is judged by the environment alone.
+    """
+    now = process_started(pid)
+    if now is None or (started is not None and abs(now - started) > 1.0):
+        return False
+    try:
+        env = psutil.Process(pid).environ()
+    except psutil.Error:
+        return started is not None
+    for name, directory in env_in_dir.items():
+        value = env.get(name)
+        if value is None or Path(value).parent != Path(directory):
+            return False
+    return True
 
 
 class LocalSegment:
@@ -79,6 +136,9 @@ class LocalSegment:
     def details(self) -> dict[str, Any]:
         return {"pid": self.pid, "pid_started": process_started(self.pid)}
 
+    def started(self) -> bool:
+        return True  # a local process runs from Popen on
+
     def _pump(self, stream, name: str) -> None:
         for line in stream:
             line = line.rstrip("\n")
@@ -107,7 +167,10 @@ class LocalSegment:
             return None
 
     def wait(self, timeout: float | None = None) -> ExitInfo:
-        self.proc.wait(timeout)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"segment pid {self.pid} still running after {timeout}s") from exc
         for reader in self._readers:
             reader.join(5)
         self._reap_strays()
@@ -121,7 +184,14 @@ class LocalSegment:
         )
 
     def stop(self, grace_seconds: float = 30.0, sig: int = signal.SIGTERM) -> None:
-        """Signal the whole group, wait up to `grace_seconds`, then SIGKILL the group and any stray child."""
+        """Signal the whole group, wait up to `grace_seconds`, then SIGKILL the group and any stray child.
+
+        The grace covers the whole group, not only its leader: a leader that dies of the signal at once
+        (torchrun's agent on SIGUSR2, a shell) leaves its children to run their handlers until the deadline.
+        Children that left the group (torchrun starts each rank in its own session) get the signal from us
+        once their leader is gone, since it can no longer forward it.
+        """
+        deadline = time.monotonic() + grace_seconds
         with self._lock:
             if self.proc.poll() is not None:
                 return
@@ -144,22 +214,55 @@ class LocalSegment:
                 grace_seconds,
             )
             _killpg(self.pid, signal.SIGKILL)
+        else:
+            self._forward(sig)
+        self._await_descendants(deadline)
         self._reap_strays()
+
+    def _forward(self, sig: int) -> None:
+        """Send `sig` to the live descendants outside the group (the killpg did not reach them)."""
+        for pid in self._live_descendants():
+            try:
+                if os.getpgid(pid) != self.pid:
+                    os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _await_descendants(self, deadline: float) -> None:
+        """Wait until `deadline` for the remembered descendants still alive (same create_time) to exit."""
+        while time.monotonic() < deadline and self._live_descendants():
+            time.sleep(0.05)
+
+    def _live_descendants(self) -> list[int]:
+        live = []
+        for pid, created in self._descendants.items():
+            try:
+                proc = psutil.Process(pid)
+                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
+                    live.append(pid)
+            except psutil.Error:
+                pass
+        return live
 
     def kill(self) -> None:
         """SIGKILL the whole group now (no grace), recorded as sent by us."""
         self.stop(grace_seconds=0, sig=signal.SIGKILL)
 
     def _reap_strays(self) -> None:
-        # Children that left the group (setsid) would survive a killpg: kill them by PID.
+        """SIGKILL the group and every remembered descendant, and wait (briefly) until they are gone.
+
+        Children that left the group (setsid) would survive a killpg: they are killed by PID. The wait makes
+        "the segment ended" mean that none of it still runs (a SIGKILL lands asynchronously).
+        """
         _killpg(self.pid, signal.SIGKILL)
-        for pid, created in self._descendants.items():
+        live = self._live_descendants()
+        for pid in live:
             try:
-                proc = psutil.Process(pid)
-                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-                    proc.kill()
-            except psutil.Error:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
+        if live:
+            self._await_descendants(time.monotonic() + REAP_WAIT_SECONDS)
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -119,6 +119,16 @@ class SegmentRecord(_JsonRecord):
             else:
                 self.extra[key] = value
 
+    def launch_details(self) -> dict[str, Any]:
+        """What the launcher recorded at launch (`note_launch`), with the segment's host and index."""
+        return {
+            **self.extra,
+            "pid": self.pid,
+            "pid_started": self.pid_started,
+            "host": self.host,
+            "index": self.index,
+        }
+
 
 @dataclass
 class MlflowRef(_JsonRecord):

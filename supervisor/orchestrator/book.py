@@ -74,7 +74,10 @@ class LineageBook:
     def save(self) -> None:
         """Write the record, fenced by the lease: a supervisor that lost its lease writes nothing."""
         self.check()
-        assert self.record is not None and self.lease is not None
+        if self.record is None or self.lease is None:
+            raise LeaseHeldError(
+                f"lineage {self.layout.lineage}: no record to save; open() the lineage and adopt() its record first"
+            )
         self.record.put(updated=self.clock())
         data = self.record.to_dict()
         for store in self.stores:
@@ -90,7 +93,8 @@ class LineageBook:
     def renew_now(self) -> None:
         """Renew the lease now (a launch gets a whole TTL ahead); raise LeaseHeldError if it was lost."""
         self.check()
-        assert self.keeper is not None
+        if self.keeper is None:  # check() raised already; this keeps the type checker informed
+            raise LeaseHeldError(f"lineage {self.layout.lineage}: the lease is not held; call open() first")
         self.keeper.renew_now()
 
     @property
@@ -119,13 +123,11 @@ def new_record(lineage: str, mlflow: MlflowRef, storage: dict[str, Any], now: fl
     )
 
 
-def recover_interrupted(
-    record: LineageRecord, now: float, kill_stale: Callable[[SegmentRecord], None]
-) -> None:
+def recover_interrupted(record: LineageRecord, now: float, reclaim: Callable[[SegmentRecord], None]) -> None:
     """A segment with no end belongs to a supervisor that died (spot loss): end it, resume from the newest valid."""
     for seg in record.segments:
         if seg.ended is None:
-            kill_stale(seg)
+            reclaim(seg)  # its launcher stops it if it still runs
             seg.put(
                 ended=now,
                 outcome="interrupted",

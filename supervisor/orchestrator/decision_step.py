@@ -98,7 +98,17 @@ class DecisionStep:
         return self.apply(record, seg, event)
 
     def classify(self, result: SegmentResult) -> Event | None:
-        """The event an exit says happened (exit code, stderr, our own signal); None for a clean end."""
+        """The event an exit says happened (exit code, stderr, our own signal); None for a clean end.
+
+        A launcher's own verdict (`ExitInfo.cause`, e.g. a scheduler's PREEMPTED) comes first when it has one.
+        """
+        if result.exit.cause is not None:
+            return Event(
+                type=result.exit.cause,
+                reason=f"the launcher reported {result.exit.cause} (exit code {result.exit.returncode})",
+                source="launcher",
+                evidence={"returncode": result.exit.returncode, "handle": result.exit.handle_id},
+            )
         return classify_exit(
             result.exit.returncode,
             result.exit.stderr_tail,

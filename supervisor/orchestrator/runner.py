@@ -27,7 +27,7 @@ from policies import Decision, History, load_policy
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.remote import RemoteTier
 from supervisor.checkpoint.view import MergedCatalog
-from supervisor.launcher import LaunchSpec, LocalLauncher, OnLine
+from supervisor.launcher import Launcher, LaunchSpec, LocalLauncher, OnLine
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
 from supervisor.monitor import Monitor
@@ -38,7 +38,7 @@ from supervisor.orchestrator.decision_step import DecisionStep, MlflowRun
 from supervisor.orchestrator.events_log import EventsLog
 from supervisor.orchestrator.options import Outcome, RunOptions, SegmentResult, StepRunner, run_inline
 from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, heartbeat_step
-from supervisor.orchestrator.stale import kill_stale
+from supervisor.orchestrator.stale import reclaim_details
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.tracking import (
     adopt_tracking,
@@ -134,8 +134,9 @@ class LineageRunner:
                 len(record.segments),
                 record.status,
             )
+            launcher = self._launcher()
             lifecycle.recover_interrupted(
-                record, self.clock(), lambda seg: kill_stale(seg, self.layout.local)
+                record, self.clock(), lambda seg: launcher.reclaim(reclaim_details(seg, self.layout.local))
             )
             workdir = Path(self.options.workdir)
             with creating_store(self.options.tracking_uri or default_tracking_uri(workdir)):
@@ -228,8 +229,11 @@ class LineageRunner:
         return step("finish_lineage", lambda: self.finish(outcome.status, outcome.reason))
 
     def _pending_outcome(self) -> Outcome | None:
-        """The previous supervisor vanished mid-segment: its decision spends budget too, and may end it."""
-        pending = self.pending
+        """The previous supervisor vanished mid-segment: its decision spends budget too, and may end it.
+
+        Honoured once: a later `supervise()` on the same runner does not replay it.
+        """
+        pending, self.pending = self.pending, None
         if pending is None:
             return None
         if pending.action in ("stop", "fail"):
@@ -279,7 +283,7 @@ class LineageRunner:
         plan = self._plan(index)
         plan_path = plan.write(self.layout.local / f"plan-{index}.json")
         o = self.options
-        env = {**os.environ, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
+        env = {**o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}  # on top of ours (inherit_env)
         seg = SegmentRecord(
             index=index,
             started=self.clock(),
@@ -290,7 +294,7 @@ class LineageRunner:
         record.segments.append(seg)
         self._save()
         run = SegmentRun(
-            o.launcher if o.launcher is not None else LocalLauncher(),
+            self._launcher(),
             SegmentSettings(o.stop_grace_seconds, self.policy.monitor.poll_seconds),
             record=record,
             events=self.events,
@@ -300,13 +304,16 @@ class LineageRunner:
         )
         return run.run(
             seg,
-            LaunchSpec(o.command, env, o.cwd),
+            LaunchSpec(o.command, env_overrides=env, cwd=o.cwd, name=f"{o.lineage}-{index}"),
             heartbeat_path=plan.heartbeat_path,
             log_path=self.layout.local / "segments" / f"{index}.log",
             open_watcher=lambda: _SegmentMonitor(self._monitor(plan)),
             open_shipper=lambda: SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start(),
             on_line=on_line,
         )
+
+    def _launcher(self) -> Launcher:
+        return self.options.launcher if self.options.launcher is not None else LocalLauncher()
 
     def _monitor(self, plan: LaunchPlan) -> Monitor:
         return Monitor.from_specs(

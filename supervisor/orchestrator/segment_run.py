@@ -26,6 +26,9 @@ from supervisor.runtime.plan import RestoreSpec
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
 
+#: How long cleanup waits for a segment after its stop's grace (and kill) before giving up on it.
+WAIT_AFTER_KILL_SECONDS = 60.0
+
 
 class Watcher(Protocol):
     """The supervisor's monitor of one segment: anomalies seen in its metrics and heartbeat."""
@@ -111,7 +114,7 @@ class SegmentRun:
             started = self.clock()
             handle = self.launcher.start(spec, sink)
             # Whatever fails below (the monitor, the record, a lost lease), the child is stopped and reaped.
-            cleanup.callback(handle.wait)
+            cleanup.callback(handle.wait, grace + WAIT_AFTER_KILL_SECONDS)  # a lost cancel must not hang us
             cleanup.callback(stop_if_running, handle, grace)
             seg.note_launch(handle.details())
             self.save()
@@ -123,10 +126,12 @@ class SegmentRun:
             )
             watcher = open_watcher()
             cleanup.callback(watcher.close)
-            watcher.begin(self.clock())
+            begun = handle.started()
+            if begun:  # the watch's grace clock starts when the segment runs, not while a job is queued
+                watcher.begin(self.clock())
             stopped_for = None
             try:
-                stopped_for = self._watch(seg, handle, watcher)
+                stopped_for = self._watch(seg, handle, watcher, begun)
             except BaseException as exc:
                 self._interrupted(seg, handle, heartbeat_path, save=not isinstance(exc, LeaseHeldError))
                 raise
@@ -135,9 +140,20 @@ class SegmentRun:
             seg.index, exit_info, stopped_for, started, self.clock(), heartbeat_step(heartbeat_path)
         )
 
-    def _watch(self, seg: SegmentRecord, handle: SegmentHandle, watcher: Watcher) -> Event | None:
-        """Poll until the segment exits (None) or an anomaly stops it (the event)."""
+    def _watch(
+        self, seg: SegmentRecord, handle: SegmentHandle, watcher: Watcher, begun: bool
+    ) -> Event | None:
+        """Poll until the segment exits (None) or an anomaly stops it (the event); watch only once it started."""
         while handle.poll() is None:
+            if not begun:
+                begun = handle.started()
+                if begun:
+                    log.info("segment %d: started", seg.index)
+                    watcher.begin(self.clock())
+            if not begun:
+                self.lease.check()
+                handle.wait_exit(self.settings.poll_seconds)
+                continue
             event = self._anomaly(watcher)
             if event is not None:
                 log.warning("segment %d: %s; stopping it", seg.index, event.reason)
