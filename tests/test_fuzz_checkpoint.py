@@ -263,18 +263,21 @@ def test_the_nesting_check_agrees_with_the_parsed_depth(value, limit, ascii_only
 # -- the store: verify, list and restore on a mutated, re-pinned checkpoint ----------------------------------
 
 
-def _store_reads(original: Original) -> None:
+def _store_reads(original: Original) -> list[str | None]:
+    """Every store reader on the (mutated) checkpoint: None where it accepted, else its one-line reason."""
     catalog = open_store(original.root)
     assert original.cid in [i.id for i in catalog.list()] + catalog.ids()
-    for mode in ("none", "fast", "full"):
-        reason = catalog.verify(original.cid, mode)
-        if reason is not None:
-            one_line(reason)
+    outcomes = [catalog.verify(original.cid, mode) for mode in ("none", "fast", "full")]
     try:
         manifest = catalog.manifest(original.cid)
         restore_local(catalog, manifest, original.state, None, "full")
+        outcomes.append(None)
     except CheckpointCorrupt as exc:
-        one_line(exc.reason)
+        outcomes.append(exc.reason)
+    for reason in outcomes:
+        if reason is not None:
+            one_line(reason)
+    return outcomes
 
 
 @fuzz(60)
@@ -282,9 +285,10 @@ def _store_reads(original: Original) -> None:
 def test_the_store_accepts_or_refuses_a_mutated_manifest(original, data):
     original.put(manifest=data.draw(mutations(original.manifest)))
     try:
-        _store_reads(original)
+        outcomes = _store_reads(original)
     finally:
         original.put()
+    assert len(outcomes) == 4  # three verify modes and a full restore, each accepted or refused in one line
 
 
 @fuzz(60)
@@ -292,9 +296,10 @@ def test_the_store_accepts_or_refuses_a_mutated_manifest(original, data):
 def test_the_store_accepts_or_refuses_a_mutated_blob(original, data):
     original.put(blob=data.draw(blob_mutations(original)))
     try:
-        _store_reads(original)
+        outcomes = _store_reads(original)
     finally:
         original.put()
+    assert len(outcomes) == 4  # three verify modes and a full restore, each accepted or refused in one line
 
 
 def test_the_original_is_valid(original, tmp_path):
