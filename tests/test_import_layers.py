@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("policies",),
     ("supervisor.monitor", "supervisor.tracking", "supervisor.lineage", "supervisor.launcher"),
     ("supervisor.runtime",),
+    # Framework callbacks (Lightning, Transformers) drive the runtime's TrainingCore.
+    ("supervisor.integrations",),
     ("supervisor.report", "supervisor.orchestrator"),
     ("flows",),
     # Commands: each mounts a package's verbs on the CLI and may use anything below.
