@@ -154,15 +154,24 @@ class TrainingCore:
 
     # -- registration and restore ----------------------------------------------------------------
 
-    def register(self, name: str, obj: Any) -> None:
-        """Register a stateful part; optimizers' steps go through the fault drill's hooks."""
+    def register(self, name: str, obj: Any, *, grads_in_closure: bool = False) -> None:
+        """Register a stateful part; optimizers' steps go through the fault drill's hooks.
+
+        `grads_in_closure`: the framework computes the gradients inside `optimizer.step(closure)` (Lightning),
+        after the optimizer's pre-step hooks, so the drill's gradient faults wait for `gradients_ready()`.
+        """
+        drill_before = None if grads_in_closure else self.gradients_ready
         self.registered.add(
             self.state,
             name,
             obj,
-            before_step=lambda opt: self._drill.before_optimizer_step(self.state.step, [opt]),
+            before_step=drill_before,
             after_step=lambda opt: self._drill.after_optimizer_step([opt]),
         )
+
+    def gradients_ready(self, optimizer: Any) -> None:
+        """This step's gradients exist and `optimizer` is about to apply them: the drill's gradient faults fire."""
+        self._drill.before_optimizer_step(self.state.step, [optimizer])
 
     def restore(self) -> CheckpointInfo | None:
         """Restore per the plan: the named checkpoint (or the latest valid), then skip batches and scale the LR."""

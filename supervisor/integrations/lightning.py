@@ -1,0 +1,539 @@
+"""PyTorch Lightning under supervision: `Trainer(callbacks=[RollbackSupervisor()])` is the one added line.
+
+`RollbackSupervisor` drives a `TrainingCore` from Lightning's hooks, as `Session.loop()` does from its loop:
+
+- **State.** Our store, never Lightning's `.ckpt` files (nothing here reads them, so nothing is unpickled): the
+  LightningModule, every optimizer, LR scheduler and the precision plugin's grad scaler, the fit loop's
+  progress (so a resume lands mid-epoch, through Lightning's own restart logic), every RNG stream, and the
+  train loader's position. `train_dataloader()` must return one torchdata `StatefulDataLoader`
+  (`supervisor.data.ResumableLoader` is one); a plain `DataLoader` has no position and is refused.
+- **Saves** happen at the end of a training batch that stepped the optimizer, when the policy says so.
+- **Restore** at fit start, per the launch plan: its checkpoint (or the latest valid one), then the skip and
+  the LR scale of every optimizer and scheduler. A skip moves the loop's batch counters along with the loader,
+  so the loop's epochs end where the loader's do (see `_TrainData`). Do not pass `ckpt_path` to `fit()`.
+- **Metrics** logged with `self.log` during a training step reach the core (the in-process detectors and the
+  lineage's MLflow run) at that step. Validation runs after the step's end, so its metrics are logged at that
+  step and join the next step's detectors and checkpoint metrics. A user's `MLFlowLogger` logs to the
+  lineage's run when built with `lineage_mlflow_logger()`.
+- **In-process rollback.** The core rolls the state back (module, optimizers, schedulers, loop counters, RNG,
+  loader) at the end of a batch; the callback restarts the loop's iterator over the loader, and Lightning goes
+  on as if the restored batch had just ended.
+- **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `fit()` ends with `SystemExit(75)`;
+  SIGUSR2: `SystemExit(3)`; an anomaly left to the supervisor: `SystemExit(76)` (Lightning's own SIGTERM
+  handling also ends `fit()` with a `SystemExit`). A run that finishes returns from `fit()` normally.
+
+Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does. Refused, with
+a message saying why: more than one process (the per-step agreement `Session` has under torchrun is not wired
+to Lightning's ranks), `reload_dataloaders_every_n_epochs`, and a `limit_train_batches` that cuts the loader's
+epochs short.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.loops import _Loop
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from supervisor import exitcodes
+from supervisor.data import loader_part
+from supervisor.errors import UserError
+from supervisor.rng import capture_rng, restore_rng
+from supervisor.runtime.actions import Rollback, SaveDue, Stop
+from supervisor.runtime.core import TrainingCore
+from supervisor.runtime.plan import load_plan
+from supervisor.runtime.wiring import load_session_policy
+from supervisor.state import TrainingState
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger("rollback_supervisor.lightning")
+
+
+class LightningSetupError(UserError):
+    """The Trainer is set up in a way the supervisor cannot resume exactly."""
+
+
+class RollbackSupervisor(Callback):
+    """A Lightning callback that puts `trainer.fit()` under rollback-supervisor (see the module docstring).
+
+    `workdir` and `policy` apply stand-alone only (a supervised run takes both from its launch plan);
+    `config` defaults to the LightningModule's hyperparameters. Not thread-safe: Lightning calls it from its
+    training thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        workdir: Path | str | None = None,
+        policy: Path | str | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ):
+        self.workdir = Path(workdir) if workdir else None
+        self.policy = Path(policy) if policy else None
+        self.run_name = run_name
+        self.config = config
+        self.core: TrainingCore | None = None
+        self._data: _TrainData | None = None
+        self._metrics = _NewMetrics()
+        self._carry: dict[str, float] = {}  # validation metrics, joined to the next step's
+        self._last: dict[str, float] = {}  # the last step's metrics, for the final checkpoint
+        self._rng_after_restore: dict[str, Any] | None = None
+        self._signals = False
+        self._closed = False
+
+    # -- fit start: build, register, restore --------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with _user_errors():
+            _check_trainer(trainer)
+            # The loop builds the train loader now rather than at its start, so the restore below reaches it.
+            trainer.fit_loop.setup_data()
+            self._data = _TrainData(trainer, _train_loader(trainer))
+            run_name = self.run_name or type(pl_module).__name__
+            plan = load_plan(run_name, self.workdir, self.policy)
+            config = self.config if self.config is not None else _hparams(pl_module)
+            state = TrainingState()
+            self.core = core = TrainingCore(
+                plan, load_session_policy(plan), state, config=config, run_name=run_name
+            )
+            self._closed = False
+            self._register(trainer, pl_module)
+        _check_mlflow_loggers(trainer, plan.run_id)
+        try:
+            info = core.restore()
+        except BaseException:
+            core.fail()
+            self._close()
+            raise
+        if info is not None or core.plan.restore.skip_batches:
+            # What the checkpoint's RNG streams hold, set again just before the first step (see on_train_start).
+            self._rng_after_restore = capture_rng()
+
+    def _register(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        core = self.core
+        assert core is not None
+        core.register("model", pl_module)
+        for name, opt in _named("optimizer", trainer.optimizers):
+            core.register(name, opt, grads_in_closure=True)
+        for name, config in _named("scheduler", trainer.lr_scheduler_configs):
+            core.register(name, config.scheduler)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            core.register("scaler", scaler)
+        core.register("loop", _FitLoopPart(trainer))
+        core.register("data", self._data)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The loop is about to fetch its first batch: from the restored position, then SIGTERM is ours."""
+        core = self.core
+        assert core is not None
+        if self._rng_after_restore is not None:
+            _restart_data(trainer, keep_fetched=False)  # the loop fetches from the loader's restored position
+            # The sanity check and the loop's set-up ran since the restore; the first step must draw exactly
+            # what the interrupted run would have.
+            restore_rng(self._rng_after_restore)
+            self._rng_after_restore = None
+        # Lightning registered its SIGTERM handler after on_fit_start; ours replaces it for the run (Lightning's
+        # would end fit() with its own SystemExit before the emergency checkpoint) and is undone at close.
+        core.install_signal_handlers()
+        self._signals = True
+        if getattr(trainer, "received_sigterm", False):
+            core.request_stop("SIGTERM before the first step", checkpoint=True)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        core = self.core
+        assert core is not None
+        core.state.step = trainer.global_step + 1  # the step under way: the drill's faults are keyed by it
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        core = self.core
+        assert core is not None
+        core.gradients_ready(optimizer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        core = self.core
+        assert core is not None
+        state = core.state
+        state.samples_seen += _batch_len(batch)
+        step = trainer.global_step
+        if step != state.step:  # accumulating gradients: no optimizer step in this batch
+            state.step = step
+            return
+        state.epoch = trainer.current_epoch
+        metrics = self._metrics.take(trainer.callback_metrics)
+        core.log(metrics)
+        metrics = {**self._carry, **metrics}
+        self._carry, self._last = {}, metrics
+        action = core.step_ended(step, metrics, final=_final(trainer, step))
+        if isinstance(action, SaveDue):
+            core.save(step, metrics)
+        elif isinstance(action, Rollback):
+            _settle_loops(trainer.fit_loop)
+            _restart_data(trainer, keep_fetched=True)
+            log.warning(
+                "in-process rollback to %s: Lightning resumes at step %d (skipped %d batches, lr x%g)",
+                action.target_id,
+                action.step,
+                action.skip_batches,
+                action.lr_scale,
+            )
+        stop = action if isinstance(action, Stop) else core.stopping()
+        if stop is not None:
+            self._stop(stop, metrics)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        core = self.core
+        if core is None or trainer.sanity_checking:
+            return
+        metrics = self._metrics.take(trainer.callback_metrics)
+        if metrics:
+            core.log(metrics)
+            self._carry.update(metrics)
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def _stop(self, stop: Stop, metrics: dict[str, float]) -> None:
+        """Carry out a stop at the end of a batch: emergency checkpoint if asked, close, leave fit()."""
+        core = self.core
+        assert core is not None
+        if stop.checkpoint:
+            t0 = time.monotonic()
+            saved = core.save(core.state.step, metrics) and core.wait()
+            core.stopped(stop, saved=saved, seconds=time.monotonic() - t0)
+        else:
+            core.stopped(stop)
+        self._close()
+        raise SystemExit(core.exit_code)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish()  # the loop may be skipped altogether (a restore at max_steps): no on_train_end then
+
+    def _finish(self) -> None:
+        """The final checkpoint, close; a code other than 0 (the final checkpoint failed) leaves fit()."""
+        core = self.core
+        if core is None or self._closed:
+            return
+        if core.exit_code == exitcodes.EXIT_OK and not (
+            core.save(core.state.step, self._last, force=True) and core.wait()
+        ):
+            core.fail(
+                f"the final checkpoint at step {core.state.step} was not written; the supervisor decides"
+            )
+        self._close()
+        if core.exit_code != exitcodes.EXIT_OK:
+            raise SystemExit(core.exit_code)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        core = self.core
+        if core is None or self._closed:
+            return
+        if isinstance(exception, SIGTERMException):
+            # A SIGTERM that reached Lightning's handler before ours was installed (the loop had not started):
+            # no consistent state to save here, so the supervisor resumes from the latest checkpoint.
+            core.stopped(Stop("SIGTERM", exitcodes.EXIT_PREEMPTED, checkpoint=True), saved=False)
+            self._close()
+            raise SystemExit(core.exit_code)  # Lightning's own exception would exit 0
+        core.fail()
+        self._close()
+
+    def _close(self) -> None:
+        core = self.core
+        if core is None or self._closed:
+            return
+        self._closed = True
+        try:
+            core.close()
+        finally:
+            if self._signals:
+                core.restore_signal_handlers()
+                self._signals = False
+
+
+# -- the registered parts Lightning owns ------------------------------------------------------
+
+
+class _FitLoopPart:
+    """The fit loop's progress counters (epochs, batches, optimizer and scheduler steps), not its loaders'."""
+
+    def __init__(self, trainer: pl.Trainer):
+        self._trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._trainer.fit_loop.state_dict()
+        own = dict(state.get("state_dict") or {})
+        own.pop("combined_loader", None)  # the train loader's position is the "data" part's (exact generator)
+        return {**state, "state_dict": own}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._trainer.fit_loop.load_state_dict(state)
+
+
+class _TrainData:
+    """The train loader's position (its registered form, `supervisor.data.loader_part`), and a skip that moves
+    Lightning's loop along with it.
+
+    Skipping `n` batches advances the loader and the fit loop's batch counters together, as if the batches had
+    been fetched and not trained on: the loop's epoch then ends where the loader's does, and a skip past an
+    epoch's end starts the next epoch (stepping the epoch-interval LR schedulers the passed end would have
+    stepped; that end's other hooks and an epoch-end validation do not run). The global RNG streams are left
+    as they were.
+    """
+
+    def __init__(self, trainer: pl.Trainer, loader: Any):
+        self._trainer = trainer
+        self.part = loader_part("data", loader)
+        self.batches_skipped = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.part.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict(state)
+
+    def skip_batches(self, n: int) -> None:
+        skip = getattr(self.part, "skip_batches", None)
+        if skip is None:
+            raise LightningSetupError(
+                f"the plan asks to skip {n} batches, but the train loader ({type(self.part).__name__}) cannot "
+                "skip; return a torchdata StatefulDataLoader (or supervisor.data.ResumableLoader) from "
+                "train_dataloader()"
+            )
+        with _rng_kept():
+            skip(n)
+        for _ in range(n):
+            _count_skipped_batch(self._trainer)
+        self.batches_skipped += n
+
+
+def _count_skipped_batch(trainer: pl.Trainer) -> None:
+    """One batch fetched and not trained on, in the fit loop's counters (as they stand at a batch's end)."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    batches = epoch_loop.batch_progress
+    if batches.current.ready >= trainer.num_training_batches:  # the epoch's last batch is behind: next epoch
+        batches.increment_completed()
+        fit_loop.epoch_progress.increment_processed()
+        fit_loop.epoch_progress.increment_completed()
+        fit_loop.epoch_progress.increment_ready()
+        fit_loop.epoch_progress.increment_started()
+        batches.reset_on_run()
+        epoch_loop.scheduler_progress.reset_on_run()
+        epoch_loop.automatic_optimization.optim_progress.reset_on_run()
+        batches.increment_ready()
+        batches.increment_started()
+        batches.increment_processed()
+    else:
+        batches.increment_completed()
+        batches.increment_ready()
+        batches.increment_started()
+        batches.increment_processed()
+    batches.is_last_batch = batches.current.ready >= trainer.num_training_batches
+    if batches.is_last_batch:
+        # What the loop does after an epoch's last batch (before that batch's end): step the epoch schedulers.
+        epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+class _NewMetrics:
+    """The scalar metrics logged since the last look. Lightning keeps every value logged so far and hands out a
+    fresh view of each on every read; a new `self.log` call stores a new tensor, so new values are told apart by
+    their storage (the views kept here keep the old storage alive, so its address is never reused meanwhile)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, Any] = {}
+
+    def take(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, value in metrics.items():
+            if _same(self._seen.get(key), value):
+                continue
+            self._seen[key] = value
+            scalar = _scalar(value)
+            if scalar is not None:
+                out[key] = scalar
+        return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.device == b.device and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+    return a is b
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().item()) if value.numel() == 1 else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _check_trainer(trainer: pl.Trainer) -> None:
+    if trainer.world_size > 1:
+        raise LightningSetupError(
+            f"RollbackSupervisor: Trainer runs {trainer.world_size} processes; it supervises a single process "
+            "(devices=1, num_nodes=1) for now"
+        )
+    if trainer.reload_dataloaders_every_n_epochs:
+        raise LightningSetupError(
+            "RollbackSupervisor: Trainer(reload_dataloaders_every_n_epochs="
+            f"{trainer.reload_dataloaders_every_n_epochs}) builds a new train loader, whose position the "
+            "checkpoints would not follow; leave it at 0"
+        )
+    if trainer.ckpt_path is not None:
+        raise LightningSetupError(
+            f"RollbackSupervisor: trainer.fit(ckpt_path={trainer.ckpt_path!r}): the supervisor restores from its "
+            "own checkpoint store per the launch plan; drop ckpt_path"
+        )
+
+
+def _check_mlflow_loggers(trainer: pl.Trainer, run_id: str | None) -> None:
+    """Say so when a user's MLFlowLogger writes to a run other than the lineage's (it works, in two places)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    for logger in trainer.loggers:
+        if run_id and isinstance(logger, MLFlowLogger) and logger.run_id != run_id:
+            log.warning(
+                "the Trainer's MLFlowLogger logs to run %s, not to the lineage's run %s; build it with "
+                "supervisor.integrations.lightning.lineage_mlflow_logger() to log into the lineage's run",
+                logger.run_id,
+                run_id,
+            )
+
+
+def _train_loader(trainer: pl.Trainer) -> Any:
+    loader = trainer.train_dataloader
+    if isinstance(loader, Mapping | list | tuple):
+        raise LightningSetupError(
+            f"RollbackSupervisor: train_dataloader() returned {type(loader).__name__} of loaders; it supports "
+            "one StatefulDataLoader"
+        )
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        raise LightningSetupError(
+            f"RollbackSupervisor: train_dataloader() returned {type(loader).__name__}; expected a torchdata "
+            "StatefulDataLoader (or supervisor.data.ResumableLoader), whose position can be checkpointed"
+        )
+    if trainer.num_training_batches != len(loader):
+        raise LightningSetupError(
+            f"RollbackSupervisor: Trainer(limit_train_batches={trainer.limit_train_batches!r}) ends each epoch after "
+            f"{trainer.num_training_batches} of the loader's {len(loader)} batches, so the loader's position and "
+            "the loop's epochs part ways; give the loader the data you want per epoch and leave the limit at 1.0"
+        )
+    return loader
+
+
+def _restart_data(trainer: pl.Trainer, *, keep_fetched: bool) -> None:
+    """Restart the fit loop's iterator over the train loader, from the loader's (restored) position."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return
+    with _rng_kept():
+        iter(fetcher)
+    if keep_fetched:  # mid-epoch: the epoch loop counts what this epoch has fetched from here
+        fetcher.fetched = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def _settle_loops(loop: _Loop) -> None:
+    """After an in-process restore: the loops go on from the restored counters, not through a restart."""
+    loop._restarting = False
+    loop._loaded_from_state_dict = False
+    loop._resuming_from_checkpoint = False
+    loop.reset_restart_stage()
+    for child in vars(loop).values():
+        if isinstance(child, _Loop):
+            _settle_loops(child)
+
+
+def _final(trainer: pl.Trainer, step: int) -> bool:
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.fit_loop.max_epochs
+    last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return bool(
+        max_epochs is not None and max_epochs >= 0 and last_batch and trainer.current_epoch + 1 >= max_epochs
+    )
+
+
+def _named(prefix: str, items: list[Any]) -> list[tuple[str, Any]]:
+    if len(items) == 1:
+        return [(prefix, items[0])]
+    return [(f"{prefix}_{i}", item) for i, item in enumerate(items)]
+
+
+def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dict(getattr(pl_module, "hparams", {}) or {}).items():
+        out[str(key)] = value if isinstance(value, str | int | float | bool) or value is None else str(value)
+    return out
+
+
+def _batch_len(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+
+
+@contextmanager
+def _rng_kept() -> Iterator[None]:
+    """Leave every global RNG stream as it was (a loader without a generator draws from torch's)."""
+    kept = capture_rng()
+    try:
+        yield
+    finally:
+        restore_rng(kept)
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """A setup mistake ends fit() with one line on stderr and exit 2, no traceback."""
+    try:
+        yield
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_code) from None
+
+
+def lineage_mlflow_logger(prefix: str = "lightning", **kwargs: Any) -> Any:
+    """An `MLFlowLogger` that logs into the lineage's MLflow run under the supervisor (its own run stand-alone).
+
+    Under the supervisor the launch plan names the run, and its `tracking_uri` and `run_id` override
+    `kwargs`. Its keys carry `prefix` ("lightning-loss"), so they never mix with the series the supervisor
+    watches (Lightning counts its logging steps from 0, the supervisor from 1). Lightning marks the run
+    finished or failed when `fit()` ends; the supervisor sets the lineage's final status at its end.
+    """
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
+
+    path = os.environ.get(PLAN_ENV)
+    if path:
+        plan = LaunchPlan.read(Path(path))
+        if plan.run_id:
+            kwargs = {**kwargs, "tracking_uri": plan.tracking_uri, "run_id": plan.run_id}
+    return MLFlowLogger(prefix=prefix, **kwargs)

@@ -1,0 +1,600 @@
+"""The Hugging Face Trainer under supervision: `Trainer(..., callbacks=[RollbackSupervisorCallback()])`.
+
+`RollbackSupervisorCallback` drives a `TrainingCore` from the Trainer's events, as `Session.loop()` does from
+its loop:
+
+- **State.** Our store, never the Trainer's own checkpoints (nothing here reads them, so nothing is
+  unpickled): the model, the optimizer, the LR scheduler, accelerate's grad scaler if any, the `TrainerState`
+  (global step, epoch, FLOs, best metric, the recent log history, the exportable callbacks' attributes) as
+  JSON, every RNG stream, and the data position.
+- **Restore** at `on_train_begin`, per the launch plan: its checkpoint (or the latest valid one), then it
+  skips batches and scales the LR of every optimizer param group and the scheduler's base LRs
+  (`supervisor.runtime.lr_scale`), so the scale survives the warm-up schedule. Do not pass
+  `resume_from_checkpoint` to `train()`.
+- **Data position.** The Trainer's own resume cannot be used: it works out the batches to skip from the
+  global step alone (so a plan's `skip_batches` has no place in it), it must be asked for in `train()` (not
+  by a callback), and it reads its checkpoint with `torch.load`. So the callback counts the batches
+  consumed (skips included) and replaces the train loader's batch sampler with one that continues the
+  Trainer's own shuffled order (the sampler's order for each data epoch, set with `set_epoch`) from that
+  count. The Trainer's epochs then only count its loop; `state.epoch` is set back to the data's epoch after
+  every step. The loader draws its worker base seed from a generator of its own, so the global torch RNG,
+  restored with the rest, sees only what training draws.
+- **Saves** are decided after a step's training log (`on_log`), and written at the next quiet point: the
+  start of the next step, or the end of the loop. Then the RNG streams are the ones the next step will use,
+  an evaluation at that step included, and the checkpoint's metrics include that evaluation.
+- **Metrics** from `on_log` (loss, grad_norm, learning_rate, evaluations) go to the core's `log()`: the
+  in-process detectors and the lineage's MLflow run. Every optimizer step also logs `data.batch` (the
+  absolute position of its first batch in the shuffled stream, epochs laid end to end) and `data.sample`
+  (that batch's first sample index), which show what a skip did.
+- **No in-process rollback.** The Trainer fixes its epoch and step ranges before `on_train_begin` and holds
+  the epoch's iterator (one batch ahead in accelerate, more with workers) inside its loop, so a callback
+  cannot rewind it. An anomaly is reported for the supervisor to decide, `train()` ends with
+  `SystemExit(76)`, and the supervisor relaunches with the plan (restore, skip, LR scale): one process start.
+- **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `train()` ends with
+  `SystemExit(75)`; SIGUSR2: `SystemExit(3)`. The process must end with that code, so the rest of the user's
+  script does not run. A run that finishes writes its final checkpoint and returns from `train()` normally.
+
+One Trainer private is touched, found from the calling frame: after a restore the counters the Trainer took
+before `on_train_begin` (`_globalstep_last_logged`, `_initial_global_step`) are set to the restored step,
+or its first logged loss would be averaged over every step since 0. Pinned to transformers 5.24.
+
+Not exact: random draws inside the dataset's `__getitem__` (the Trainer's own resume has the same limit),
+data workers' random streams, and evaluations with `eval_strategy="epoch"`, which follow the Trainer's
+epochs. Refused: `world_size > 1` (single process only), and a `gradient_accumulation_steps` that does not
+divide the batches of an epoch (the Trainer's short last step of an epoch is counted from where its loop
+started, so a resume would group batches into steps differently).
+
+Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does; an anomaly then
+exits 76 with nobody to relaunch. A segment restored at `max_steps` ends at once (`SystemExit(0)`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import TrainerCallback
+
+from supervisor import exitcodes
+from supervisor.errors import CheckpointError, UserError
+from supervisor.runtime.actions import Rollback, SaveDue, Stop
+from supervisor.runtime.core import TrainingCore
+from supervisor.runtime.plan import load_plan
+from supervisor.runtime.wiring import load_session_policy
+from supervisor.state import TrainingState
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+    from supervisor.events import Event
+
+log = logging.getLogger("rollback_supervisor.transformers")
+
+#: TrainerState fields a resume restores (the rest the Trainer computes from its arguments).
+TRAINER_STATE_FIELDS = (
+    "global_step",
+    "epoch",
+    "total_flos",
+    "num_input_tokens_seen",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+)
+#: How many of the latest `log_history` entries a checkpoint keeps (all of them are in MLflow).
+LOG_HISTORY_KEPT = 200
+#: TrainingArguments logged as the run's parameters.
+CONFIG_ARGS = (
+    "seed",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+)
+
+
+class TrainerSetupError(UserError):
+    """The Trainer is set up in a way the supervisor cannot resume exactly."""
+
+
+class DataPosition:
+    """How many batches of the Trainer's shuffled order were consumed, skips included: the loader's state."""
+
+    def __init__(self, per_epoch: int):
+        self.per_epoch = per_epoch
+        self.batches = 0
+        self.batches_skipped = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches, "batches_per_epoch": self.per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = int(state["batches_per_epoch"])
+        if saved != self.per_epoch:
+            raise CheckpointError(
+                f"data.batches_per_epoch: the checkpoint was written with {saved} batches per epoch, this "
+                f"Trainer has {self.per_epoch}; resume with the dataset, batch size and drop_last it was "
+                "written with"
+            )
+        self.batches = int(state["batches"])
+
+    def skip_batches(self, n: int) -> int:
+        """Skip the next `n` batches of the order (a plan's `skip_batches`)."""
+        self.batches += n
+        self.batches_skipped += n
+        return n
+
+    def epoch_of(self, position: int) -> tuple[int, int]:
+        """(data epoch, batch within it) of the batch at absolute `position`."""
+        return divmod(position, self.per_epoch)
+
+
+class ResumableOrder:
+    """A batch sampler continuing the Trainer's own order from `position`: `len(inner)` batches per iteration.
+
+    Each data epoch is the inner batch sampler's order for that epoch (its sampler's `set_epoch(epoch)`), so
+    a run that never resumed sees exactly the batches it would have seen without the supervisor. Which
+    batches it handed out is kept (by position) until the callback says they were trained on.
+    """
+
+    def __init__(self, inner: Any, position: DataPosition):
+        self.inner, self.position = inner, position
+        self.issued: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._from(self.position.batches)
+
+    def _from(self, start: int) -> Iterator[list[int]]:
+        epoch, skip = self.position.epoch_of(start)
+        handed = 0
+        while handed < len(self.inner):
+            sampler = getattr(self.inner, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            for index, batch in enumerate(self.inner):
+                if index < skip:
+                    continue
+                self.issued[start + handed] = list(batch)
+                yield batch
+                handed += 1
+                if handed == len(self.inner):
+                    return
+            epoch, skip = epoch + 1, 0
+
+    def consumed(self, position: int) -> list[int]:
+        """The sample indices of the batch at `position`, now trained on (forgotten here)."""
+        for old in [p for p in self.issued if p < position]:
+            del self.issued[old]
+        return self.issued.pop(position, [])
+
+
+class TrainerStatePart:
+    """The `TrainerState` as JSON (see TRAINER_STATE_FIELDS) and the exportable callbacks' attributes."""
+
+    def __init__(self, state: TrainerState, callbacks: list[Any]):
+        self.state, self.callbacks = state, callbacks
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f: getattr(self.state, f) for f in TRAINER_STATE_FIELDS}
+        out["log_history"] = [dict(entry) for entry in (self.state.log_history or [])[-LOG_HISTORY_KEPT:]]
+        out["callbacks"] = {type(cb).__name__: cb.state()["attributes"] for cb in self.callbacks}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for field in TRAINER_STATE_FIELDS:
+            setattr(self.state, field, state[field])
+        self.state.log_history = [dict(entry) for entry in state["log_history"]]
+        saved = state.get("callbacks") or {}
+        for cb in self.callbacks:
+            for key, value in (saved.get(type(cb).__name__) or {}).items():
+                setattr(cb, key, value)
+
+
+class _SupervisorDecides:
+    """Stands in for the core's in-process rollback: every anomaly is left to the supervisor (exit 76).
+
+    The Trainer's loop cannot be rewound from a callback (module docstring), so nothing is rolled back here.
+    """
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    @property
+    def policy(self) -> Any:
+        return self._inner.policy
+
+    @property
+    def history(self) -> Any:
+        return self._inner.history
+
+    @property
+    def count(self) -> int:
+        return 0
+
+    def handle(self, store: Any, event: Event, step: int) -> None:
+        log.warning(
+            "anomaly at step %d: %s; the Trainer's loop cannot roll back in process, so the supervisor decides "
+            "and relaunches with its plan (exit %d)",
+            step,
+            event.reason,
+            exitcodes.EXIT_ANOMALY,
+        )
+        self._inner.left_to_supervisor(event)
+        return None
+
+    def left_to_supervisor(self, event: Event) -> None:
+        self._inner.left_to_supervisor(event)
+
+
+class RollbackSupervisorCallback(TrainerCallback):
+    """A `TrainerCallback` that puts `trainer.train()` under rollback-supervisor (see the module docstring).
+
+    `workdir` and `policy` apply stand-alone only (a supervised run takes both from its launch plan); `config`
+    is added to the run's parameters. One `train()` per callback. Not thread-safe: the Trainer calls it from
+    its training thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        workdir: Path | str | None = None,
+        policy: Path | str | None = None,
+        run_name: str = "hf-trainer",
+        config: dict[str, Any] | None = None,
+    ):
+        self.workdir = Path(workdir) if workdir else None
+        self.policy = Path(policy) if policy else None
+        self.run_name = run_name
+        self.config = dict(config or {})
+        self.core: TrainingCore | None = None
+        self._position: DataPosition | None = None
+        self._order: ResumableOrder | None = None
+        self._loader: Any = None
+        self._loader_saved: tuple[Any, Any] | None = None
+        self._ended: int | None = None  # the last step that ended and was not yet decided on
+        self._metrics: dict[str, float] = {}  # the last step's metrics (training log, evaluations)
+        self._save_due: int | None = None
+        self._stop: Stop | None = None
+        self._step_start, self._step_sample = 0, -1  # the step's first batch: its position, its first sample
+        self._finished = False
+        self._closed = False
+
+    # -- the Trainer's events ----------------------------------------------------------------------
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.core is not None:
+            raise TrainerSetupError(
+                "RollbackSupervisorCallback: train() was called a second time; a callback supervises one "
+                "train() (one segment): build a new Trainer and callback for another"
+            )
+        _check_args(args)
+        loader = kw.get("train_dataloader")
+        base = getattr(loader, "base_dataloader", loader)
+        inner = _check_loader(base)
+        _check_accumulation(args.gradient_accumulation_steps, len(inner))
+        plan = load_plan(self.run_name, self.workdir, self.policy)
+        config = {
+            k: _param(v) for k, v in ({k: getattr(args, k, None) for k in CONFIG_ARGS} | self.config).items()
+        }
+        core = TrainingCore(
+            plan, load_session_policy(plan), TrainingState(), config=config, run_name=self.run_name
+        )
+        core.rollback = _SupervisorDecides(core.rollback)  # type: ignore[assignment]
+        self.core = core
+        self._position = DataPosition(len(inner))
+        trainer = _calling_trainer()
+        for name, part in self._parts(state, kw, trainer):
+            core.register(name, part)
+        core.install_signal_handlers()
+        atexit.register(self._abandon)
+        core.restore()
+        core.state.step = state.global_step
+        core.state.epoch = self._position.epoch_of(self._position.batches)[0]
+        if state.global_step:
+            if trainer is None:
+                raise TrainerSetupError(
+                    "RollbackSupervisorCallback: restored step "
+                    f"{state.global_step}, but no Trainer calls this callback (transformers "
+                    "5.24's Trainer is expected up the stack); call it from Trainer.train()"
+                )
+            # Taken before on_train_begin from the fresh TrainerState; see the module docstring.
+            trainer._globalstep_last_logged = state.global_step
+            trainer._initial_global_step = state.global_step
+            trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+        self._wrap_loader(base, inner, args.seed)
+        epoch, within = self._position.epoch_of(self._position.batches)
+        log.info(
+            "Trainer at step %d: its shuffled order goes on at batch %d of data epoch %d (%d batches an epoch)",
+            state.global_step,
+            within,
+            epoch,
+            self._position.per_epoch,
+        )
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+            log.info(
+                "save_strategy=%s: the Trainer also writes its own checkpoints to %s; the supervisor never "
+                "reads them (save_strategy='no' spares the disk)",
+                getattr(args.save_strategy, "value", args.save_strategy),
+                args.output_dir,
+            )
+        if args.logging_nan_inf_filter:
+            log.info(
+                "logging_nan_inf_filter is on: the Trainer logs a NaN loss as the previous average, so the "
+                "detectors see a NaN only in grad_norm"
+            )
+        if state.max_steps and state.global_step >= state.max_steps:
+            # The Trainer would still run a step before it checks: end here, as a loop with nothing left does.
+            log.info(
+                "restored step %d is the last (max_steps %d): nothing to train",
+                state.global_step,
+                state.max_steps,
+            )
+            self._finish(state.global_step)
+            self._close()
+            raise SystemExit(core.exit_code)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        core = self._need()
+        self._decide(control)
+        if self._save_due is not None:
+            core.save(self._save_due, self._metrics)
+            self._save_due = None
+        if self._stop is None and core.stopping() is not None:
+            control.should_training_stop = True  # too late for this step, which runs; the loop ends after it
+        self._metrics = {}
+        self._step_start, self._step_sample = self._need_position().batches, -1
+        # The step being started is the core's step until it ends (the drill's gradient faults read it).
+        core.state.step = state.global_step + 1
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._consume()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        core = self._need()
+        self._consume()
+        position = self._need_position()
+        epoch, within = position.epoch_of(position.batches)
+        state.epoch = epoch + within / position.per_epoch
+        core.state.step = state.global_step
+        core.state.epoch = epoch
+        core.log({"data.batch": float(self._step_start), "data.sample": float(self._step_sample)})
+        self._ended = state.global_step
+        if not control.should_log:  # no training log for this step: decide now, on what we have
+            self._decide(control)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        core = self._need()
+        numeric = {
+            k: float(v)
+            for k, v in (logs or {}).items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if not numeric:
+            return
+        core.log(numeric)
+        self._metrics.update(numeric)
+        if "loss" in numeric and self._ended == state.global_step:
+            self._decide(control)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self._decide(control)
+        if control.should_training_stop and not self._finished:
+            self._finish(state.global_step)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        core = self._need()
+        self._decide(control)
+        if not self._finished:
+            self._finish(state.global_step)
+        self._close()
+        if core.exit_code != exitcodes.EXIT_OK:
+            raise SystemExit(core.exit_code)
+
+    # -- driving the core --------------------------------------------------------------------------
+
+    def _decide(self, control: TrainerControl) -> None:
+        """Tell the core the last step ended (once) and act on its answer."""
+        if self._ended is None:
+            return
+        core, step = self._need(), self._ended
+        self._ended = None
+        action = core.step_ended(step, self._metrics, final=control.should_training_stop)
+        if isinstance(action, SaveDue):
+            self._save_due = action.step
+            action = core.stopping()
+        if isinstance(action, Stop):
+            self._stop = action
+            control.should_training_stop = True
+        elif isinstance(action, Rollback):  # the core was told to leave every anomaly to the supervisor
+            raise AssertionError(f"unexpected in-process rollback: {action}")
+
+    def _finish(self, step: int) -> None:
+        """The loop is over: the emergency checkpoint and the stop, or the final checkpoint."""
+        core = self._need()
+        self._finished = True
+        stop = self._stop or core.stopping()
+        if stop is not None:
+            if not stop.checkpoint:
+                core.stopped(stop)
+                return
+            t0 = time.monotonic()
+            saved = core.save(step, self._metrics) and core.wait()
+            core.stopped(stop, saved=saved, seconds=time.monotonic() - t0)
+            return
+        if core.exit_code == exitcodes.EXIT_OK and not (
+            core.save(step, self._metrics, force=True) and core.wait()
+        ):
+            core.fail(f"the final checkpoint at step {step} was not written; the supervisor decides")
+
+    def _consume(self) -> None:
+        """One batch was trained on: advance the position (and note the step's first sample)."""
+        position, order, core = self._need_position(), self._order, self._need()
+        at = position.batches
+        indices = order.consumed(at) if order is not None else []
+        if at == self._step_start and indices:
+            self._step_sample = indices[0]
+        position.batches += 1
+        core.state.samples_seen += len(indices)
+
+    # -- set-up and tear-down ----------------------------------------------------------------------
+
+    def _parts(self, state: TrainerState, kw: dict[str, Any], trainer: Trainer | None):
+        model, optimizer, scheduler = kw.get("model"), kw.get("optimizer"), kw.get("lr_scheduler")
+        if model is None or optimizer is None:
+            raise TrainerSetupError(
+                "RollbackSupervisorCallback: on_train_begin got no model or optimizer; expected the Trainer's "
+                "(transformers 5.24 passes them to every callback)"
+            )
+        yield "model", model
+        yield "optimizer", getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper: the torch one
+        if scheduler is not None:
+            yield "scheduler", scheduler
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None:
+            yield "scaler", scaler
+        exportable = []
+        if trainer is not None:
+            from transformers.trainer_callback import ExportableState, TrainerControl
+
+            exportable = [
+                cb
+                for cb in trainer.callback_handler.callbacks
+                if isinstance(cb, ExportableState) and not isinstance(cb, TrainerControl | type(self))
+            ]
+        yield "trainer_state", TrainerStatePart(state, exportable)
+        yield "data", self._need_position()
+
+    def _wrap_loader(self, base: Any, inner: Any, seed: int) -> None:
+        self._order = ResumableOrder(inner, self._need_position())
+        self._loader, self._loader_saved = base, (inner, base.generator)
+        # DataLoader refuses a new batch_sampler once built; the wrapper keeps its length and its batches.
+        object.__setattr__(base, "batch_sampler", self._order)
+        base.generator = torch.Generator().manual_seed(seed)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._abandon)
+        if self._loader is not None and self._loader_saved is not None:
+            inner, generator = self._loader_saved
+            object.__setattr__(self._loader, "batch_sampler", inner)
+            self._loader.generator = generator
+        core = self._need()
+        try:
+            core.close()
+        finally:
+            core.restore_signal_handlers()
+
+    def _abandon(self) -> None:
+        """At exit after an exception escaped `train()`: the segment failed; close what it opened."""
+        if self.core is not None and not self._closed:
+            self.core.fail()
+            self._close()
+
+    def _need(self) -> TrainingCore:
+        if self.core is None:
+            raise TrainerSetupError(
+                "RollbackSupervisorCallback: an event came before on_train_begin; pass the callback to the "
+                "Trainer (callbacks=[...]) and call trainer.train()"
+            )
+        return self.core
+
+    def _need_position(self) -> DataPosition:
+        if self._position is None:
+            self._need()
+            raise AssertionError("no data position after on_train_begin")
+        return self._position
+
+
+def _param(value: Any) -> Any:
+    value = getattr(value, "value", value)  # the Trainer's string enums
+    return value if value is None or isinstance(value, int | float | str | bool) else str(value)
+
+
+def _check_args(args: TrainingArguments) -> None:
+    if args.world_size > 1:
+        raise TrainerSetupError(
+            f"RollbackSupervisorCallback: world_size is {args.world_size}; only a single process is supported "
+            "(the per-step agreement of ranks is not wired to the Trainer): run one process"
+        )
+    if args.auto_find_batch_size:
+        raise TrainerSetupError(
+            "RollbackSupervisorCallback: auto_find_batch_size restarts the loop with another batch size, which "
+            "changes the data position; set per_device_train_batch_size and auto_find_batch_size=False"
+        )
+
+
+def _check_loader(base: Any) -> Any:
+    """The train loader's batch sampler, if its order per epoch can be reproduced; else a clear error."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    inner = getattr(base, "batch_sampler", None)
+    sampler = getattr(inner, "sampler", None)
+    if not isinstance(inner, BatchSampler) or not (
+        isinstance(sampler, SequentialSampler) or callable(getattr(sampler, "set_epoch", None))
+    ):
+        found = type(sampler if isinstance(inner, BatchSampler) else inner).__name__
+        raise TrainerSetupError(
+            f"RollbackSupervisorCallback: the train loader's sampler is {found}, whose order a resume cannot "
+            "reproduce; expected a map-style dataset with the Trainer's seedable random sampler (the default, "
+            "accelerator_config use_seedable_sampler=True) or train_sampling_strategy='sequential'"
+        )
+    return inner
+
+
+def _check_accumulation(steps: int, per_epoch: int) -> None:
+    """Every optimizer step takes `steps` batches, or a resume would group batches differently (see below)."""
+    if steps > 1 and per_epoch % steps:
+        raise TrainerSetupError(
+            f"RollbackSupervisorCallback: gradient_accumulation_steps={steps} does not divide the {per_epoch} "
+            "batches of an epoch, so the Trainer's last step of an epoch takes fewer batches, counted from where "
+            "its loop started; after a resume mid-epoch it would group batches into steps differently. Use a "
+            f"dataset size and batch size that give a multiple of {steps} batches per epoch (dataloader_drop_last "
+            "may help), or gradient_accumulation_steps=1"
+        )
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose `train()` is calling this callback, found up the stack."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer):
+            return owner
+        frame = frame.f_back
+    return None
