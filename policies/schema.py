@@ -11,6 +11,8 @@ from policies.monitor_schema import MonitorConfig
 from policies.targets import Target
 from supervisor.checkpoint.options import MEMORY_SLOTS, MEMORY_SLOTS_DOC
 from supervisor.events import EventType
+from supervisor.script.output import pattern_problem
+from supervisor.script.template import BUILTIN_FIELDS, ArgTemplate, TemplateError
 
 Mode = Literal["min", "max"]
 Action = Literal["resume", "rollback", "stop", "fail"]
@@ -221,6 +223,173 @@ class Limits(Spec):
         return self
 
 
+class ScriptOutput(Spec):
+    """How metrics are read from an unmodified script's stdout and stderr lines."""
+
+    patterns: list[str] = Field(
+        default_factory=list,
+        examples=[r"iter (?P<step>\d+): loss (?P<loss>[^,\s]+)"],
+        description="Regular expressions searched in every output line, first match wins. Each needs a named "
+        "group `step` (an integer); every other named group is a metric of that step, e.g. "
+        "`iter (?P<step>\\d+): loss (?P<loss>[^,\\s]+)`. Empty: metrics come only from the script's own "
+        "MLflow logging (the supervisor exports MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID).",
+    )
+
+    @field_validator("patterns")
+    @classmethod
+    def _readable(cls, patterns: list[str]) -> list[str]:
+        for i, pattern in enumerate(patterns):
+            if (why := pattern_problem(pattern)) is not None:
+                raise problem(str(i), f"a regular expression with a named group `step` (this one {why})")
+        return patterns
+
+
+class ScriptCheckpoints(Spec):
+    """The script's own checkpoint files, versioned into the store as opaque blobs whenever they appear or change."""
+
+    glob: str = Field(
+        min_length=1,
+        examples=["out/ckpt.pt"],
+        description="Files to version, relative to the command's working directory, e.g. `out/ckpt.pt` or "
+        "`checkpoints/step_*.pt` (`**` matches any depth).",
+    )
+    step_from: Literal["output", "name", "sidecar"] = Field(
+        "output",
+        description="Where a version's step comes from: `output`, the step of the last output line read "
+        "before the file's modification time (for one overwritten file such as nanoGPT's ckpt.pt); `name`, "
+        "the `step` group of `step_pattern` in the file's path (each step its own version); `sidecar`, a "
+        "number in the `sidecar` file.",
+    )
+    step_pattern: str | None = Field(
+        None,
+        examples=[r"step_(?P<step>\d+)\.pt$"],
+        description="With `step_from: name`: a regular expression with a named group `step`, searched in the "
+        "file's path relative to the working directory; matched files it does not match are not versioned.",
+    )
+    sidecar: str | None = Field(
+        None,
+        examples=["out/meta.json"],
+        description="With `step_from: sidecar`: a JSON or text file, relative to the working directory, that "
+        "the script writes with each checkpoint. Match it with `glob` too, so that it is restored with them.",
+    )
+    sidecar_key: str | None = Field(
+        None,
+        examples=["iter_num"],
+        description="The key of the step in the sidecar's JSON object; null: the sidecar's whole text is the step.",
+    )
+    format: Literal["opaque", "zip"] = Field(
+        "opaque",
+        description="`zip`: a file is versioned only once it reads as a whole zip archive with correct CRCs "
+        "(torch.save's format; nothing is unpickled), so a save cut short by a kill is never a version. "
+        "`opaque`: any bytes, versioned once unchanged for `settle_seconds`.",
+    )
+    scan_seconds: float = Field(
+        1.0, gt=0, allow_inf_nan=False, description="How often the files are checked while the script runs."
+    )
+    settle_seconds: float = Field(
+        1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A changed file is versioned once it has been unchanged this long (and at the script's exit).",
+    )
+
+    @field_validator("glob")
+    @classmethod
+    def _inside(cls, glob: str) -> str:
+        parts = glob.replace("\\", "/").split("/")
+        if glob.startswith(("/", "~")) or ".." in parts:
+            raise problem("", "a glob relative to the working directory, without `..`", glob)
+        return glob
+
+    @field_validator("step_pattern")
+    @classmethod
+    def _step_pattern(cls, pattern: str | None) -> str | None:
+        if pattern is not None and (why := pattern_problem(pattern)) is not None:
+            raise problem("", f"a regular expression with a named group `step` (this one {why})")
+        return pattern
+
+    @model_validator(mode="after")
+    def _step_source(self) -> ScriptCheckpoints:
+        if self.step_from == "name" and self.step_pattern is None:
+            raise problem(
+                "step_pattern", "a regular expression with a named group `step` for step_from: name"
+            )
+        if self.step_from == "sidecar" and self.sidecar is None:
+            raise problem("sidecar", "the path of the sidecar file for step_from: sidecar")
+        return self
+
+
+class ScriptRelaunch(Spec):
+    """How the script is resumed: arguments appended to its command on every relaunch, filled from the decision."""
+
+    args: list[str] | str = Field(
+        default_factory=list,
+        examples=["--init_from=resume --learning_rate={lr * lr_scale}"],
+        description="Arguments appended to the command on each relaunch (the first launch runs the command as "
+        "given), a list or one string split as a shell does. Fields: `{checkpoint}` (the restored file's path), "
+        "`{step}` (its step), `{lr_scale}` (the chosen checkpoint's LR factor times the decision's), "
+        "`{skip_batches}`, and the names under `values`; a field may be a product such as `{lr * lr_scale}` "
+        "and take a format spec, `{lr * lr_scale:.3e}`. A rule key with no field here is unsupported.",
+    )
+    values: dict[str, float] = Field(
+        default_factory=dict,
+        examples=[{"lr": 0.0006}],
+        description="Named numbers the arguments may use, e.g. `{lr: 6.0e-4}` for `{lr * lr_scale}` "
+        "(YAML reads `6e-4` without a dot as a string).",
+    )
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _numbers(cls, values: object) -> object:
+        if not isinstance(values, dict):
+            return values
+        for name, value in values.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise problem("", "names that are identifiers, like lr", name)
+            if name in BUILTIN_FIELDS:
+                raise problem(
+                    str(name), f"a name other than the built-in fields ({', '.join(BUILTIN_FIELDS)})", name
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise problem(str(name), "a number (YAML needs a dot in 6.0e-4; 6e-4 is a string)", value)
+        return values
+
+    @model_validator(mode="after")
+    def _fields_known(self) -> ScriptRelaunch:
+        try:
+            ArgTemplate.parse(self.args, self.values)
+        except TemplateError as exc:
+            at = "args" if exc.item is None else f"args.{exc.item}"
+            raise problem(at, exc.expected, raw=exc.found) from None
+        return self
+
+    def template(self) -> ArgTemplate:
+        """The parsed argument template."""
+        return ArgTemplate.parse(self.args, self.values)
+
+
+class ScriptConfig(Spec):
+    """Script mode: supervise a command that does not use the training-side API (e.g. nanoGPT's train.py)."""
+
+    output: ScriptOutput = Field(
+        default_factory=ScriptOutput, description="How metrics are read from the script's output lines."
+    )
+    checkpoints: ScriptCheckpoints = Field(description="The script's own checkpoint files and their steps.")
+    relaunch: ScriptRelaunch = Field(
+        default_factory=ScriptRelaunch, description="The arguments that make the script resume."
+    )
+
+    @model_validator(mode="after")
+    def _steps_readable(self) -> ScriptConfig:
+        if self.checkpoints.step_from == "output" and not self.output.patterns:
+            raise problem(
+                "checkpoints.step_from",
+                "name or sidecar when output.patterns is empty (no step is read from the output)",
+                "output",
+            )
+        return self
+
+
 class Policy(Spec):
     """A rollback policy: checkpointing, monitoring, the rules mapping events to actions, and the limits."""
 
@@ -238,6 +407,11 @@ class Policy(Spec):
     )
     limits: Limits = Field(
         default_factory=Limits, description="Budgets, backoff and rollback-loop escalation."
+    )
+    script: ScriptConfig | None = Field(
+        None,
+        description="Script mode, for a command that does not use the training-side API: how its metrics, "
+        "checkpoint files and relaunch arguments are found; null for a command that uses Session.",
     )
 
     @field_validator("version", mode="before")

@@ -21,6 +21,8 @@ _LOWER = {"min": "lower", "max": "higher"}
 def summarize(policy: Policy) -> str:
     """The whole policy in plain words: checkpoints, detectors, one line per event type, budgets."""
     lines = [f"Policy: {policy.name}", "", "Checkpoints", *_checkpoints(policy), ""]
+    if policy.script is not None:
+        lines += ["Script mode (the command does not use the training-side API)", *_script(policy), ""]
     lines += [f"Watching (every {policy.monitor.poll_seconds:g} s)", *_detectors(policy), ""]
     lines.append("On each event")
     width = max(len(t) for t in EVENT_TYPES)
@@ -32,6 +34,8 @@ def summarize(policy: Policy) -> str:
 
 def _checkpoints(policy: Policy) -> list[str]:
     c = policy.checkpoint
+    if policy.script is not None:
+        return _script_checkpoints(policy)
     when = []
     if c.every_steps is not None:
         when.append(
@@ -65,7 +69,7 @@ def _detectors(policy: Policy) -> list[str]:
     m = policy.monitor
     lines = [f"  {spec.type}: {_detector(spec)}" for spec in m.detectors] or ["  no metric detectors."]
     lines += [f"  log pattern /{p.pattern}/ means {p.type}." for p in m.classifier_patterns]
-    if m.preemption_notice.provider != "none":
+    if m.preemption_notice.provider != "none" and policy.script is None:  # script mode: see _script
         n = m.preemption_notice
         where = n.endpoint or f"the {n.provider} metadata service"
         lines.append(f"  preemption notices: polled from {where} every {n.poll_seconds:g} s.")
@@ -120,13 +124,83 @@ def _on_event(policy: Policy, event_type: str) -> str:
         text += " saved before the anomaly's onset"
     extras = []
     if rule.skip_batches:
-        extras.append(f"skip {rule.skip_batches} batches")
+        extras.append(f"skip {rule.skip_batches} batches" + _unsupported(policy, "skip_batches"))
     if rule.lr_scale != 1.0:
-        extras.append(f"scale the learning rate by {rule.lr_scale:g}")
+        extras.append(f"scale the learning rate by {rule.lr_scale:g}" + _unsupported(policy, "lr_scale"))
     if extras:
         text += "; " + "; ".join(extras)
     fallback = "restart from scratch" if rule.allow_scratch else "the run fails"
     return f"{text}. If there is none, {fallback}."
+
+
+def _unsupported(policy: Policy, field: str) -> str:
+    """In script mode, why a rule key cannot reach the script (empty when it can, or without a script)."""
+    if policy.script is None or field in policy.script.relaunch.template().fields:
+        return ""
+    return f" (unsupported: script.relaunch.args has no {{{field}}}, so the script never gets it)"
+
+
+def _script_checkpoints(policy: Policy) -> list[str]:
+    c, files = policy.checkpoint, policy.script.checkpoints  # type: ignore[union-attr]
+    kept = [f"the newest {c.keep_last}"]
+    if c.keep_best:
+        kept.append(f"the {c.keep_best.count} best by {c.keep_best.metric} ({_BETTER[c.keep_best.mode]})")
+    if c.keep_every_steps:
+        kept.append(f"every multiple of {c.keep_every_steps} steps")
+    verify = {
+        "full": "hashed in full",
+        "fast": "checked quickly (sizes and manifest)",
+        "none": "not verified",
+    }
+    lines = [
+        f"  Saved by the script itself; each new or changed file matching {files.glob} is versioned to "
+        f"{c.storage} as an opaque blob; {verify[c.verify]} before it is put back.",
+        f"  Kept: {_join(kept)}.",
+        "  Not used in script mode (the script decides when it saves): checkpoint.every_steps, every_seconds, "
+        "adaptive, async, memory_slots.",
+    ]
+    if c.remote:
+        lines.append(
+            f"  Unsupported in script mode: checkpoint.remote ({c.remote}); versions stay in {c.storage}."
+        )
+    return lines
+
+
+def _script(policy: Policy) -> list[str]:
+    s = policy.script
+    assert s is not None
+    if s.output.patterns:
+        shown = ", ".join(f"/{p}/" for p in s.output.patterns)
+        metrics = "read from output lines matching " + shown
+    else:
+        metrics = "only from the script's own MLflow logging"
+    files = s.checkpoints
+    step = {
+        "output": "the step printed last before the file changed",
+        "name": f"the step in the file's path (/{files.step_pattern}/), each step its own version",
+        "sidecar": f"the step in {files.sidecar}"
+        + (f" (key {files.sidecar_key})" if files.sidecar_key else ""),
+    }[files.step_from]
+    whole = "read as whole zip archives, " if files.format == "zip" else ""
+    args = s.relaunch.args if isinstance(s.relaunch.args, str) else " ".join(s.relaunch.args)
+    values = ", ".join(f"{k} = {v:g}" for k, v in s.relaunch.values.items())
+    return [
+        f"  Metrics: {metrics}; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID are exported, so "
+        "the script's own mlflow.start_run() logs into the lineage's run.",
+        f"  Checkpoint files: {files.glob} under the command's working directory, checked every "
+        f"{files.scan_seconds:g} s and versioned once {whole}unchanged for {files.settle_seconds:g} s; a "
+        f"version's step is {step}.",
+        f"  Relaunch: the command plus {args or 'nothing'}" + (f" ({values})" if values else "") + "; a "
+        "relaunch from scratch runs the command as first given.",
+        "  Fault drill: kill, term and hang are injected from outside; nan, spike, hw, oom and exc cannot be.",
+    ] + (
+        [
+            f"  Unsupported in script mode: monitor.preemption_notice ({policy.monitor.preemption_notice.provider}); "
+            "notices are polled by the training-side API, which the script does not load."
+        ]
+        if policy.monitor.preemption_notice.provider != "none"
+        else []
+    )
 
 
 def _target(rule: Rule) -> str:

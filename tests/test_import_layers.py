@@ -18,6 +18,8 @@ LAYERS: list[tuple[str, ...]] = [
         "supervisor.errors", "supervisor.exitcodes", "supervisor.events", "supervisor.command",
         "supervisor.layout", "supervisor.spool", "supervisor.flatten", "supervisor.rng",
         "supervisor.stateful", "supervisor.dtypes", "supervisor.smallfile", "supervisor.__init__",
+        # Pure, standard library only: the policy schema validates script-mode patterns and templates with them.
+        "supervisor.script.template", "supervisor.script.output",
     ),
     ("supervisor.data",),
     ("supervisor.state",),
@@ -27,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("supervisor.runtime",),
     # Framework callbacks (Lightning, Transformers) drive the runtime's TrainingCore.
     ("supervisor.integrations",),
-    ("supervisor.report", "supervisor.orchestrator"),
+    ("supervisor.report", "supervisor.orchestrator", "supervisor.script"),
     ("flows",),
     # Commands: each mounts a package's verbs on the CLI and may use anything below.
     (

@@ -40,6 +40,7 @@ from supervisor.orchestrator.options import Outcome, RunOptions, SegmentResult, 
 from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, heartbeat_step
 from supervisor.orchestrator.stale import reclaim_details
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
+from supervisor.script.mode import ScriptMode, SegmentPaths
 from supervisor.tracking import (
     adopt_tracking,
     bound_http_requests,
@@ -79,6 +80,13 @@ class LineageRunner:
         self.client: MlflowClient | None = None  # opened only under the lease (see open)
         self.decisions: DecisionStep | None = None  # built by open, once the run it tags is known
         self.pending: Decision | None = None
+        self.script = (  # the policy's `script:` section: a command that does not use the training-side API
+            ScriptMode(
+                self.policy, options.policy_path, self.layout.checkpoints, cwd=options.cwd, env=options.env
+            )
+            if self.policy.script is not None
+            else None
+        )
 
     def __enter__(self) -> LineageRunner:
         return self
@@ -284,6 +292,23 @@ class LineageRunner:
         plan_path = plan.write(self.layout.local / f"plan-{index}.json")
         o = self.options
         env = {**o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}  # on top of ours (inherit_env)
+        command, launcher = o.command, self._launcher()
+
+        def open_watcher() -> Any:
+            return _SegmentMonitor(self._monitor(plan))
+
+        def open_shipper() -> Any:
+            return SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start()
+
+        script = None
+        if self.script is not None:  # put the chosen version in place; read metrics from the output
+            paths = SegmentPaths(Path(plan.metrics_spool or ""), plan.heartbeat_path, plan.faults_path)
+            script = self.script.segment(index, plan.restore, o.command, paths, self._mlflow_env(), on_line)
+            command, launcher, on_line = script.command, script.launcher(launcher), script.on_line()
+            env.update(script.env)
+            if script.watcher is not None:
+                open_watcher = script.watch
+            open_shipper = script.drain(open_shipper)
         seg = SegmentRecord(
             index=index,
             started=self.clock(),
@@ -291,11 +316,16 @@ class LineageRunner:
             restore=plan.restore.__dict__,
             start_step=heartbeat_step(plan.heartbeat_path),
         )
+        if script is not None:
+            seg.note_launch({"command": list(command)})
         record.segments.append(seg)
         self._save()
+        report_wait = (
+            0.0 if script is not None else SegmentSettings.report_wait_seconds
+        )  # a script never reports
         run = SegmentRun(
-            self._launcher(),
-            SegmentSettings(o.stop_grace_seconds, self.policy.monitor.poll_seconds),
+            launcher,
+            SegmentSettings(o.stop_grace_seconds, self.policy.monitor.poll_seconds, report_wait),
             record=record,
             events=self.events,
             lease=self.book,
@@ -304,13 +334,23 @@ class LineageRunner:
         )
         return run.run(
             seg,
-            LaunchSpec(o.command, env_overrides=env, cwd=o.cwd, name=f"{o.lineage}-{index}"),
+            LaunchSpec(command, env_overrides=env, cwd=o.cwd, name=f"{o.lineage}-{index}"),
             heartbeat_path=plan.heartbeat_path,
             log_path=self.layout.local / "segments" / f"{index}.log",
-            open_watcher=lambda: _SegmentMonitor(self._monitor(plan)),
-            open_shipper=lambda: SpoolShipper(self.client, plan.run_id, plan.metrics_spool).start(),
+            open_watcher=open_watcher,
+            open_shipper=open_shipper,
             on_line=on_line,
         )
+
+    def _mlflow_env(self) -> dict[str, str]:
+        """MLflow's variables for the lineage's run: a script's own `mlflow.start_run()` logs into it."""
+        run_id = self.record.mlflow.run_id
+        experiment = self.client.get_run(run_id).info.experiment_id if self.client is not None else ""
+        return {
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            "MLFLOW_EXPERIMENT_ID": experiment,
+            "MLFLOW_RUN_ID": run_id,
+        }
 
     def _launcher(self) -> Launcher:
         return self.options.launcher if self.options.launcher is not None else LocalLauncher()
@@ -329,7 +369,14 @@ class LineageRunner:
 
     def conclude(self, result: SegmentResult) -> Decision | None:
         """Record what happened in the segment and decide what next; None means the run finished or stopped."""
-        return self._decisions().conclude(self.record, result)
+        if self.script is None:
+            return self._decisions().conclude(self.record, result)
+        decision = self._decisions().conclude(self.record, self.script.settle(result, self.clock()))
+        problem = self.script.after_decision(decision)
+        if problem is not None:  # the glob never matched a file: a policy mistake, not a training failure
+            self.finish("failed", str(problem))
+            raise problem
+        return decision
 
     def finish(self, status: str, reason: str) -> LineageRecord:
         """Record the final status, the checkpoint to keep, and close the MLflow run."""

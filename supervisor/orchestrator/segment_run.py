@@ -58,10 +58,13 @@ class LeaseGuard(Protocol):
 
 @dataclass(frozen=True)
 class SegmentSettings:
-    """How segments are run: stop grace and how often the watch polls."""
+    """How segments are run: stop grace, how often the watch polls, and how long it waits for a report."""
 
     stop_grace_seconds: float = 30.0
     poll_seconds: float = 5.0
+    #: How long an anomaly the monitor saw waits for the training process's own report of it (which means it
+    #: was handled in process); 0 for a command that never reports (script mode).
+    report_wait_seconds: float = 2.0
 
 
 class SegmentRun:
@@ -166,7 +169,8 @@ class SegmentRun:
     def _anomaly(self, watcher: Watcher) -> Event | None:
         """The first event the monitor saw that the training process did not already handle itself."""
         for event in watcher.poll(self.clock()):
-            if event.type in METRIC_EVENTS and self.events.reported(event, self.record.events_offset):
+            wait = self.settings.report_wait_seconds
+            if event.type in METRIC_EVENTS and self.events.reported(event, self.record.events_offset, wait):
                 log.info("monitor saw %s; the training process already handled it", event.reason)
                 continue
             return event

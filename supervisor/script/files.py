@@ -1,0 +1,543 @@
+"""A script's own checkpoint files, versioned into our store, and a chosen version put back in place.
+
+The script writes its files where and when it likes (nanoGPT overwrites `out/ckpt.pt` in place, non-atomically).
+`scan()` finds the files matching the glob under the script's working directory and versions each new or
+changed one once it has settled (unchanged since the previous scan and `settle_seconds` old, or the script has
+exited), as a checkpoint of the store: each file's bytes are one opaque blob (`opaque.py`), checksummed, and
+the commit is the store's (`LocalStore.commit`: staged, renamed, marker last), so a commit cut short leaves the
+store as it was, and the next open removes what it staged. Retention is the policy's (`keep_last`, ...),
+deletions logged with their reason. A file whose bytes the store already holds is referenced, not copied again,
+and a scan that finds the same bytes as the newest version commits nothing.
+
+What a version holds depends on the step rule (`steps.py`): with steps from file names, each step is its own
+version (the files whose names carry it); otherwise a version is a snapshot of every matched file.
+
+`restore()` puts a version back: each of its files is written to a temp file beside the target and renamed
+over it (atomic), unless the bytes in place already match; matched files that are newer than the version (a
+later step, or absent from a snapshot) are removed, so a script that resumes from the newest file it finds
+resumes from the chosen one; on a rollback, every version committed after the target is marked abandoned.
+
+Not thread-safe: one owner (the scanner thread, or the runner between segments) drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import stat
+import time
+import zipfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from supervisor import __version__
+from supervisor.checkpoint.boundedjson import loads_bounded
+from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.local import LocalStore, fsync_dir, write_file
+from supervisor.checkpoint.manifest import BLOBS, CKPT_PREFIX, STATE, FileEntry, Manifest, TensorRef
+from supervisor.checkpoint.options import make_id, parse_id
+from supervisor.checkpoint.paths import name_leaves
+from supervisor.checkpoint.retention import RetentionPolicy, apply_retention
+from supervisor.errors import CheckpointCorrupt, CheckpointError
+from supervisor.script import opaque
+from supervisor.script.steps import StepRule
+
+log = logging.getLogger("rollback_supervisor.script")
+
+#: Temp files of a restore end so; a scan never versions them.
+TMP_SUFFIX = ".rollback-supervisor-tmp"
+#: state.json of a version says what it is.
+KIND = "script-files"
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How a file looked: a change of any of these is a change of the file."""
+
+    size: int
+    mtime_ns: int
+    ino: int
+
+    @property
+    def mtime(self) -> float:
+        return self.mtime_ns / 1e9
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> Signature:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+#: rel path -> (its signature, the digest of its bytes) for files whose bytes the store holds. Shared between
+#: the segments of a lineage so that a file put back in place is not hashed again at the next scan's start.
+KnownFiles = dict[str, tuple[Signature, str]]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The version put back in place: its id, step, file paths (relative), and the notes it was saved with."""
+
+    id: str
+    step: int
+    files: tuple[str, ...]
+    notes: dict[str, Any]
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A regex matching the relative paths `Path.glob(pattern)` matches (`**` any depth, `*` within a name)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
+            body = pattern[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+class ScriptFiles:
+    """Versions the files matching `glob` under `root` into the store at `store_dir` (see module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        glob: str,
+        store_dir: Path,
+        steps: StepRule,
+        *,
+        settle_seconds: float = 1.0,
+        zip_check: bool = False,
+        retention: RetentionPolicy | None = None,
+        known: KnownFiles | None = None,
+        notes: Mapping[str, Any] | None = None,
+        parent_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.root, self.glob, self.store_dir = Path(root), glob, Path(store_dir)
+        self.steps = steps
+        self.settle_seconds = settle_seconds
+        self.zip_check = zip_check
+        self.retention = retention
+        self.known: KnownFiles = known if known is not None else {}
+        self.notes = dict(notes or {})
+        self.parent_id = parent_id
+        self.before_commit: Callable[[], None] | None = (
+            None  #: runs once a version is staged (tests crash here)
+        )
+        self._clock = clock
+        self._matcher = glob_regex(glob)
+        self._store: LocalStore | None = None
+        self._index: dict[str, tuple[TensorRef, FileEntry]] = {}  # digest -> a stored blob holding it
+        self._newest: dict[int | None, tuple[str, dict[str, str]]] = {}  # group -> (id, {rel: digest})
+        self._seq = 0
+        self._seen: dict[str, Signature] = {}  # how each changed file looked at the previous scan
+        # Changed files not versioned as they are (there before we watched, or not a whole zip archive).
+        self._skipped: dict[str, Signature] = {}
+
+    # -- open / close ---------------------------------------------------------------------------
+
+    def open(self, *, baseline: bool = True) -> ScriptFiles:
+        """Take the store's writer lock (cleaning up an interrupted commit), index it, and, with `baseline`,
+        note the files already in place so that only later changes are versioned."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._store = LocalStore(self.store_dir)
+        self._reindex()
+        if baseline:
+            self._baseline()
+        return self
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> ScriptFiles:
+        return self.open() if self._store is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._open_store().catalog
+
+    def _open_store(self) -> LocalStore:
+        if self._store is None:
+            raise CheckpointError(f"{self.store_dir}: script files not open; call open() first")
+        return self._store
+
+    def _reindex(self) -> None:
+        catalog = self._open_store().catalog
+        self._index, self._newest = {}, {}
+        for info in catalog.list():  # seq only grows: ids stay unique even after retention deleted the newest
+            self._seq = max(self._seq, info.seq)
+            try:
+                manifest = catalog.manifest(info.id)
+            except CheckpointError as exc:
+                log.warning("Skipping checkpoint %s of %s: %s", info.id, self.store_dir, exc)
+                continue
+            files = {f.path: f for f in manifest.files}
+            for ref in manifest.tensors.values():
+                if ref.blob in files:
+                    self._index.setdefault(ref.digest, (ref, files[ref.blob]))
+            if not info.abandoned:
+                group = info.step if self.steps.per_file else None
+                self._newest[group] = (info.id, {rel: ref.digest for rel, ref in manifest.tensors.items()})
+
+    def _baseline(self) -> None:
+        """Files in place now count as seen: those the store holds are known, the others left alone until they
+        change (their step could not be told: they were written while nobody watched)."""
+        for rel, sig in self.matches().items():
+            held = self.known.get(rel)
+            if held is not None and held[0] == sig:
+                continue
+            try:
+                digest, _ = opaque.file_digest(self.root / rel)
+            except OSError:
+                continue
+            if digest in self._index:
+                self.known[rel] = (sig, digest)
+            else:
+                self._skipped[rel] = sig
+                log.info("%s was in place before the segment started; versioned once it changes", rel)
+
+    # -- scanning -------------------------------------------------------------------------------
+
+    def matches(self) -> dict[str, Signature]:
+        """Every regular file matching the glob, by path relative to the root."""
+        found = {}
+        for path in self.root.glob(self.glob):
+            rel = path.relative_to(self.root).as_posix()
+            if rel.endswith(TMP_SUFFIX):
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[rel] = Signature.of(st)
+        return found
+
+    def scan(self, *, final: bool = False, metrics: Mapping[str, float] | None = None) -> list[str]:
+        """Version what changed and has settled (`final`: the script has exited, everything has); new ids.
+
+        `metrics` are the values the script printed last; a version taken while one of them is NaN or infinite
+        is marked unhealthy (never a resume or rollback target unless `checkpoint.allow_nonfinite`).
+        """
+        now = self._clock()
+        found = self.matches()
+        changed: dict[str, Signature] = {}
+        waiting: set[str] = set()
+        for rel, sig in found.items():
+            held = self.known.get(rel)
+            if (held is not None and held[0] == sig) or self._skipped.get(rel) == sig:
+                continue
+            settled = final or (self._seen.get(rel) == sig and now - sig.mtime >= self.settle_seconds)
+            self._seen[rel] = sig
+            if settled:
+                changed[rel] = sig
+            else:
+                waiting.add(rel)
+        committed = []
+        for group, members in self._groups(found).items():
+            todo = [rel for rel in members if rel in changed]
+            if todo and not any(rel in waiting for rel in members):
+                cid = self._version(group, members, found, todo, final, dict(metrics or {}))
+                if cid is not None:
+                    committed.append(cid)
+        if committed:
+            self._retain()
+        return committed
+
+    def _groups(self, found: Mapping[str, Signature]) -> dict[int | None, list[str]]:
+        if not self.steps.per_file:
+            return {None: sorted(found)} if found else {}
+        groups: dict[int | None, list[str]] = {}
+        for rel in sorted(found):
+            step = self.steps.step(rel, found[rel].mtime)
+            if step is not None:
+                groups.setdefault(step, []).append(rel)
+        return dict(sorted(groups.items(), key=lambda kv: kv[0] or 0))
+
+    def _version(
+        self,
+        group: int | None,
+        members: list[str],
+        found: Mapping[str, Signature],
+        todo: list[str],
+        final: bool,
+        metrics: dict[str, float],
+    ) -> str | None:
+        """Commit the files of one group as a new version; None when it waits, or nothing changed."""
+        for rel in todo:
+            if self.zip_check and (why := _zip_problem(self.root / rel)):
+                self._skipped[rel] = found[rel]
+                log.warning("%s is not versioned: not a whole zip archive (%s); a save cut short?", rel, why)
+                return None
+        step = group if group is not None else self._step(todo, found)
+        if step is None:
+            if final:
+                log.warning(
+                    "%s not versioned: its step could not be told when the script exited", ", ".join(todo)
+                )
+            return None
+        store = self._open_store()
+        cid = make_id(step, self._seq + 1)
+        staged = store.stage(cid)
+        try:
+            layout = self._stage(cid, staged, members, found)
+            if layout is None:
+                shutil.rmtree(staged, ignore_errors=True)
+                return None
+            refs, files, new_blobs, written = layout
+            digests = {rel: ref.digest for rel, ref in refs.items()}
+            newest = self._newest.get(group)
+            if newest is not None and newest[1] == digests:
+                shutil.rmtree(staged, ignore_errors=True)
+                self._remember(members, found, digests)
+                log.info("%s unchanged since checkpoint %s; nothing to version", ", ".join(todo), newest[0])
+                return None
+            nonfinite = [] if all(math.isfinite(v) for v in metrics.values()) else sorted(refs)
+            manifest = self._manifest(cid, step, staged, refs, files, written, metrics, nonfinite)
+            if self.before_commit is not None:
+                self.before_commit()
+            store.commit(cid, staged, manifest.to_bytes(), new_blobs)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        self._seq += 1
+        self.parent_id = cid
+        for ref in refs.values():
+            self._index.setdefault(ref.digest, (ref, files[ref.blob]))
+        self._newest[group] = (cid, digests)
+        self._remember(members, found, digests)
+        health = f"; unhealthy (the last metrics printed were not finite: {metrics})" if nonfinite else ""
+        log.info(
+            "Versioned %s as checkpoint %s (step %d, %.1f MB written of %.1f MB)%s",
+            ", ".join(members),
+            cid,
+            step,
+            written / 1e6,
+            manifest.nbytes / 1e6,
+            health,
+        )
+        return cid
+
+    def _step(self, todo: list[str], found: Mapping[str, Signature]) -> int | None:
+        steps = [self.steps.step(rel, found[rel].mtime) for rel in todo]
+        return None if any(s is None for s in steps) else max(s for s in steps if s is not None)
+
+    def _stage(
+        self, cid: str, staged: str, members: list[str], found: Mapping[str, Signature]
+    ) -> tuple[dict[str, TensorRef], dict[str, FileEntry], list[str], int] | None:
+        """Each member referenced if the store holds its bytes, else copied into a new blob; None if one changed
+        while it was copied (it waits for the next scan)."""
+        refs: dict[str, TensorRef] = {}
+        files: dict[str, FileEntry] = {}
+        new_blobs: list[str] = []
+        written = 0
+        for i, rel in enumerate(members):
+            held = self.known.get(rel)
+            if held is not None and held[0] == found[rel] and held[1] in self._index:
+                ref, entry = self._index[held[1]]
+            else:
+                blob = f"{BLOBS}/{cid}.{i}.safetensors"
+                local = os.path.join(staged, os.path.basename(blob))
+                try:
+                    digest, nbytes, xxh, size = opaque.write_blob(
+                        self.root / rel, local, rel, {"checkpoint": cid, "file": rel}
+                    )
+                    after = Signature.of(os.lstat(self.root / rel))
+                except OSError as exc:
+                    log.info("%s changed while it was copied (%s); trying again at the next scan", rel, exc)
+                    return None
+                if after != found[rel]:
+                    log.info("%s changed while it was copied; trying again at the next scan", rel)
+                    return None
+                if digest in self._index:  # same bytes as a stored blob: reference that one
+                    os.remove(local)
+                    ref, entry = self._index[digest]
+                else:
+                    ref = TensorRef(blob, rel, digest, nbytes, opaque.DTYPE, (nbytes,))
+                    entry = FileEntry(blob, size, xxh)
+                    new_blobs.append(blob)
+                    written += size
+            refs[rel] = TensorRef(ref.blob, ref.key, ref.digest, ref.nbytes, opaque.DTYPE, ref.shape)
+            files[entry.path] = entry
+        return refs, files, new_blobs, written
+
+    def _manifest(
+        self,
+        cid: str,
+        step: int,
+        staged: str,
+        refs: dict[str, TensorRef],
+        files: dict[str, FileEntry],
+        written: int,
+        metrics: dict[str, float],
+        nonfinite: list[str],
+    ) -> Manifest:
+        state = {"kind": KIND, "files": sorted(refs), **self.notes}
+        raw = json.dumps(state, sort_keys=True, allow_nan=False).encode()
+        write_file(os.path.join(staged, STATE), raw)
+        entries = [
+            *files.values(),
+            FileEntry(f"{CKPT_PREFIX}{cid}/{STATE}", len(raw), xxhash.xxh3_64_hexdigest(raw)),
+        ]
+        return Manifest(
+            id=cid,
+            seq=self._seq + 1,
+            step=step,
+            wall_time=self._clock(),
+            metrics={k: v for k, v in metrics.items() if math.isfinite(v)},
+            parent_id=self.parent_id,
+            files=entries,
+            tensors=refs,
+            nbytes=sum(r.nbytes for r in refs.values()),
+            written_bytes=written,
+            versions={"rollback-supervisor": __version__},
+            nonfinite=nonfinite,
+        )
+
+    def _remember(self, members: list[str], found: Mapping[str, Signature], digests: dict[str, str]) -> None:
+        for rel in members:
+            self.known[rel] = (found[rel], digests[rel])
+            self._skipped.pop(rel, None)
+            self._seen.pop(rel, None)
+
+    def _retain(self) -> None:
+        store = self._open_store()
+        result = apply_retention(self.retention, store.catalog.list())
+        for info, reason in result.delete:
+            log.info("Deleting checkpoint %s (%s)", info.id, reason)
+            store.delete(info.id)
+        if result.delete:
+            store.catalog.gc_blobs()
+            self._reindex()
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def restore(self, checkpoint_id: str, *, rollback: bool = False) -> Restored:
+        """Put version `checkpoint_id` back in place (see module docstring); on a rollback, abandon later ones."""
+        store = self._open_store()
+        catalog = store.catalog
+        manifest = catalog.manifest(checkpoint_id)
+        state = self._state(catalog, checkpoint_id)
+        for rel in manifest.tensors:
+            self._check_target(checkpoint_id, rel)
+        for rel, ref in sorted(manifest.tensors.items()):
+            self._put_back(catalog, checkpoint_id, rel, ref)
+        for rel in self._newer(manifest):
+            (self.root / rel).unlink(missing_ok=True)
+            self.known.pop(rel, None)
+            log.info("Removed %s: newer than checkpoint %s, which the run goes back to", rel, checkpoint_id)
+        if rollback:
+            target = catalog.get(checkpoint_id)
+            for info in catalog.list():
+                if info.seq > target.seq and not info.abandoned:
+                    store.mark_abandoned(info.id, f"rolled back to {checkpoint_id}")
+                    log.info("Checkpoint %s abandoned: the run rolled back to %s", info.id, checkpoint_id)
+            self._reindex()
+        self.parent_id = checkpoint_id
+        notes = {k: v for k, v in state.items() if k not in ("kind", "files")}
+        return Restored(checkpoint_id, manifest.step, tuple(sorted(manifest.tensors)), notes)
+
+    def _state(self, catalog: Catalog, checkpoint_id: str) -> dict[str, Any]:
+        try:
+            state = loads_bounded(
+                catalog.read(f"{CKPT_PREFIX}{checkpoint_id}/{STATE}"), max_depth=4, what=STATE
+            )
+        except (OSError, ValueError) as exc:
+            raise CheckpointCorrupt(checkpoint_id, f"{STATE}: {exc}") from None
+        if not isinstance(state, dict) or state.get("kind") != KIND:
+            raise CheckpointCorrupt(
+                checkpoint_id,
+                f"{STATE}: expected a version of script files (kind {KIND!r}), got {str(state)[:80]}",
+            )
+        return state
+
+    def _check_target(self, checkpoint_id: str, rel: str) -> None:
+        """A version only ever writes a path the glob matches, inside the root (a planted manifest cannot)."""
+        why = name_leaves(rel)
+        if why is None and not self._matcher.match(rel):
+            why = f"it does not match script.checkpoints.glob {self.glob!r}"
+        if why is None:
+            real, root = os.path.realpath(self.root / rel), os.path.realpath(self.root)
+            if not real.startswith(root.rstrip(os.sep) + os.sep):
+                why = f"it resolves to {real}, outside {root}"
+        if why is not None:
+            raise CheckpointCorrupt(checkpoint_id, f"file {rel!r} cannot be put back: {why}")
+
+    def _put_back(self, catalog: Catalog, checkpoint_id: str, rel: str, ref: TensorRef) -> None:
+        target = self.root / rel
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            held = self.known.get(rel)
+            digest = held[1] if held is not None and held[0] == Signature.of(st) else None
+            if digest is None:
+                digest, _ = opaque.file_digest(target)
+            if digest == ref.digest:
+                self.known[rel] = (Signature.of(st), digest)
+                log.info("%s already holds checkpoint %s's bytes", rel, checkpoint_id)
+                return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, st.st_mode & 0o7777 if st else 0o644)
+        try:
+            try:
+                digest, _ = opaque.read_blob(catalog.confined(ref.blob), ref.key, fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if digest != ref.digest:
+                raise CheckpointCorrupt(
+                    checkpoint_id, f"{ref.blob}: {rel} reads back as {digest}, expected {ref.digest}"
+                )
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(str(target.parent))
+        self.known[rel] = (Signature.of(os.lstat(target)), digest)
+        log.info("Put %s back from checkpoint %s (step %d)", rel, checkpoint_id, parse_id(checkpoint_id)[0])
+
+    def _newer(self, manifest: Manifest) -> list[str]:
+        """Matched files a script could mistake for a newer checkpoint than the restored one."""
+        extra = [rel for rel in self.matches() if rel not in manifest.tensors]
+        if not self.steps.per_file:
+            return extra
+        return [rel for rel in extra if (s := self.steps.step(rel, 0.0)) is not None and s > manifest.step]
+
+
+def _zip_problem(path: Path) -> str | None:
+    """Why `path` is not a whole zip archive (torch.save's format), or None; reads every member's CRC."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+    return f"member {bad} fails its CRC" if bad else None

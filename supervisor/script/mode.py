@@ -1,0 +1,261 @@
+"""Script mode for the runner: what changes when the policy has a `script:` section.
+
+The runner asks `ScriptMode.segment()` for each segment's parts: the command (relaunch arguments appended,
+the chosen version put back in place first), the MLflow variables a script's own `mlflow.start_run()` joins
+the lineage's run with, the output tap, the watcher (detectors on the printed metrics; None when metrics
+come only from the script's MLflow logging, where the usual MLflow monitor watches), and the drain that
+versions the files while the script runs and once it has exited. After the segment, `settle()` adds an anomaly
+printed after the last poll, and `after_decision()` logs what the decision asks that the script cannot do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from supervisor.checkpoint import open_store
+from supervisor.checkpoint.retention import policy_from_settings
+from supervisor.errors import PolicyError
+from supervisor.launcher import Launcher, OnLine
+from supervisor.monitor import DetectorSet, HeartbeatWriter, build_detectors
+from supervisor.runtime.faults import FAULTS_ENV, parse_faults
+from supervisor.runtime.plan import RestoreSpec
+from supervisor.script.faults import ExternalFaults, FaultLauncher
+from supervisor.script.files import KnownFiles, ScriptFiles
+from supervisor.script.output import OutputParser
+from supervisor.script.relaunch import Start, plan_start
+from supervisor.script.scanner import FileScanner
+from supervisor.script.steps import NameStep, OutputStep, SidecarStep, StepRule
+from supervisor.script.tap import OutputTap
+from supervisor.script.watch import ScriptWatcher
+from supervisor.spool import SpoolWriter
+
+log = logging.getLogger("rollback_supervisor.script")
+
+#: The variables that make a script's `mlflow.start_run()` log into the lineage's run.
+MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
+
+
+@dataclass(frozen=True)
+class SegmentPaths:
+    """Where one segment's plan puts its spool, heartbeat and the drill's fired-faults record."""
+
+    spool: Path
+    heartbeat: Path
+    faults: Path
+
+
+@dataclass
+class ScriptSegment:
+    """The parts of one script segment (see module docstring)."""
+
+    start: Start
+    env: dict[str, str]
+    tap: OutputTap
+    watcher: ScriptWatcher | None
+    files: ScriptFiles
+    interval: float
+    faults: ExternalFaults | None
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        return self.start.command
+
+    def launcher(self, inner: Launcher) -> Launcher:
+        return FaultLauncher(inner, self.faults) if self.faults is not None else inner
+
+    def on_line(self) -> OnLine:
+        return self.tap
+
+    def watch(self) -> ScriptWatcher | None:
+        """The segment's watcher (`open_watcher` for SegmentRun)."""
+        return self.watcher
+
+    def drain(self, then: Callable[[], Any]) -> Callable[[], FileScanner]:
+        """The `open_shipper` for SegmentRun: open the files (before launch), scan, then drain `then()`'s."""
+
+        def open_drains() -> FileScanner:
+            self.files.open()
+            shipper = then()
+
+            def after() -> None:
+                self.tap.close()
+                shipper.drain()
+
+            return FileScanner(self.files, self.interval, self.tap.latest, then=after).start()
+
+        return open_drains
+
+
+class ScriptMode:
+    """Script mode of one lineage. Not thread-safe: the runner's thread. No I/O until `segment()`."""
+
+    def __init__(
+        self,
+        policy: Any,
+        policy_path: str,
+        store_dir: Path,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.policy = policy
+        self.config = policy.script
+        self.policy_path = str(policy_path)
+        self.store_dir = Path(store_dir)
+        self.root = Path(cwd or os.getcwd()).resolve()
+        self.template = self.config.relaunch.template()
+        self.faults = parse_faults((env or {}).get(FAULTS_ENV))
+        self.known: KnownFiles = {}
+        self.current: ScriptSegment | None = None
+
+    def segment(
+        self,
+        index: int,
+        restore: RestoreSpec,
+        command: tuple[str, ...],
+        paths: SegmentPaths,
+        mlflow_env: Mapping[str, str],
+        on_line: OnLine | None,
+    ) -> ScriptSegment:
+        """Put the segment's checkpoint in place and build its parts."""
+        ck, output = self.policy.checkpoint, self.config.output
+        relaunch = self.config.relaunch
+        start = plan_start(
+            self._files(self._steps(None)),
+            self.template,
+            dict(relaunch.values),
+            command,
+            restore,
+            first=index == 0,
+            allow_nonfinite=ck.allow_nonfinite,
+        )
+        faults = ExternalFaults(self.faults, paths.faults) if self.faults else None
+        tap = OutputTap(
+            OutputParser(output.patterns),
+            spool=SpoolWriter(paths.spool) if output.patterns else None,
+            start_step=start.step,
+            on_step=faults.on_step if faults is not None else None,
+            then=on_line,
+        )
+        watcher = None
+        if output.patterns:
+            detectors = DetectorSet(build_detectors(self.policy.monitor.detectors))
+            watcher = ScriptWatcher(tap, detectors, HeartbeatWriter(paths.heartbeat))
+        notes = {"lr_scale": start.lr_scale, "segment": index}
+        files = self._files(self._steps(tap), notes=notes, parent=start.version.id if start.version else None)
+        self.current = ScriptSegment(
+            start, dict(mlflow_env), tap, watcher, files, self.config.checkpoints.scan_seconds, faults
+        )
+        return self.current
+
+    def _files(
+        self, steps: StepRule, notes: dict[str, Any] | None = None, parent: str | None = None
+    ) -> ScriptFiles:
+        ck, spec = self.policy.checkpoint, self.config.checkpoints
+        keep_best = (ck.keep_best.metric, ck.keep_best.mode, ck.keep_best.count) if ck.keep_best else None
+        return ScriptFiles(
+            self.root,
+            spec.glob,
+            self.store_dir,
+            steps,
+            settle_seconds=spec.settle_seconds,
+            zip_check=spec.format == "zip",
+            retention=policy_from_settings(ck.keep_last, keep_best, ck.keep_every_steps),
+            known=self.known,
+            notes=notes,
+            parent_id=parent,
+        )
+
+    def _steps(self, tap: OutputTap | None) -> StepRule:
+        spec = self.config.checkpoints
+        if spec.step_from == "name":
+            return NameStep(spec.step_pattern)
+        if spec.step_from == "sidecar":
+            return SidecarStep(self.root / spec.sidecar, spec.sidecar_key)
+        return OutputStep(tap.step_at if tap is not None else lambda when: 0)
+
+    # -- after the segment ----------------------------------------------------------------------
+
+    def settle(self, result: Any, now: float) -> Any:
+        """Add to `result` what the script printed after the watcher's last poll (an anomaly, its last step)."""
+        seg = self.current
+        if seg is None or seg.watcher is None:
+            return result
+        event = seg.watcher.leftover(now)
+        if result.stopped_for is None and event is not None:
+            log.warning("segment %d: %s (printed after the last poll)", result.index, event.reason)
+            result.stopped_for = event
+        if seg.watcher.last_step is not None:
+            result.last_step = seg.watcher.last_step
+        return result
+
+    def after_decision(self, decision: Any) -> PolicyError | None:
+        """Log each key of the decision the script cannot honour; the error to raise if no file was ever found."""
+        if decision is None:
+            return None
+        for note in self.unsupported(decision):
+            log.warning("decision: unsupported by this script: %s", note)
+        if decision.action == "fail" and self._wanted_a_checkpoint(decision) and not self._anything_found():
+            return self._nothing_found(decision)
+        return None
+
+    def unsupported(self, decision: Any) -> list[str]:
+        """What a relaunching decision asks that the relaunch arguments cannot carry."""
+        if not decision.relaunches:
+            return []
+        fields, notes = self.template.fields, []
+        if decision.from_scratch and (decision.skip_batches or decision.lr_scale != 1.0):
+            return [
+                f"skip_batches {decision.skip_batches} and lr_scale {decision.lr_scale:g}: a relaunch from "
+                "scratch runs the command as first given"
+            ]
+        if decision.skip_batches and "skip_batches" not in fields:
+            notes.append(
+                f"skip_batches {decision.skip_batches}: script.relaunch.args has no {{skip_batches}}, so the "
+                "script is relaunched without skipping data"
+            )
+        if decision.lr_scale != 1.0 and "lr_scale" not in fields:
+            notes.append(
+                f"lr_scale {decision.lr_scale:g}: script.relaunch.args has no {{lr_scale}}, so the script is "
+                "relaunched at its own learning rate"
+            )
+        return notes
+
+    def _wanted_a_checkpoint(self, decision: Any) -> bool:
+        index = decision.rule_index
+        return index is not None and self.policy.rules[index].action in ("resume", "rollback")
+
+    def _anything_found(self) -> bool:
+        if any(self.store_dir.glob("ckpt-*")) and open_store(self.store_dir).list():
+            return True
+        return any(p.is_file() for p in self.root.glob(self.config.checkpoints.glob))
+
+    def _nothing_found(self, decision: Any) -> PolicyError:
+        glob = self.config.checkpoints.glob
+        where = f"{self.policy_path}:{_line_of(self.policy_path, ('script', 'checkpoints', 'glob'))}"
+        return PolicyError(
+            [
+                f"{where}: script.checkpoints.glob: expected files matching {glob!r} in {self.root} by the time "
+                f"of a decision ({decision.event.type} needed a checkpoint to {self.policy.rules[decision.rule_index].action} "
+                "from), got no file ever matching it; point the glob at the files the script saves, relative to "
+                "the command's working directory"
+            ]
+        )
+
+
+def _line_of(path: str, keys: tuple[str, ...]) -> str:
+    """`line:col` of a key in a policy file (`1:1` when it cannot be found)."""
+    try:
+        node = yaml.compose(Path(path).read_text(), Loader=yaml.SafeLoader)
+        for key in keys:
+            node = next(v for k, v in node.value if getattr(k, "value", None) == key)
+        return f"{node.start_mark.line + 1}:{node.start_mark.column + 1}"
+    except (OSError, yaml.YAMLError, StopIteration, AttributeError, TypeError):
+        return "1:1"

@@ -1,0 +1,104 @@
+"""The output tap: every line a script prints passes through it, and the metrics it reads go where they are used.
+
+Each parsed line goes to the metric spool (the shipper takes it to the lineage's MLflow run, as it does for a
+`Session`), to a queue the segment's watcher drains into the detectors, onto the step timeline that labels
+checkpoint files (`step_at`), and to the step listeners (the fault drill's external faults). Thread-safe: the
+launcher calls it from one reader thread per stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from supervisor.launcher import OnLine
+from supervisor.script.output import OutputParser, Parsed
+from supervisor.spool import SpoolWriter
+
+log = logging.getLogger("rollback_supervisor.script")
+
+#: Steps kept on the timeline; the oldest half goes when it is full (files are labelled within seconds).
+TIMELINE = 1 << 16
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One parsed line and when the supervisor read it (wall clock, comparable with file mtimes)."""
+
+    time: float
+    parsed: Parsed
+
+
+class OutputTap:
+    """Parses a segment's output lines (see module docstring)."""
+
+    def __init__(
+        self,
+        parser: OutputParser,
+        *,
+        spool: SpoolWriter | None = None,
+        start_step: int = 0,
+        on_step: Callable[[int], None] | None = None,
+        then: OnLine | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.parser = parser
+        self.spool = spool
+        self.start_step = start_step
+        self.on_step = on_step
+        self.then = then
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._queue: list[Reading] = []
+        self._times: list[float] = []
+        self._steps: list[int] = []
+        self._latest: dict[str, float] = {}
+
+    def __call__(self, stream: str, line: str) -> None:
+        parsed = self.parser.parse(line)
+        if parsed is not None:
+            self.read(parsed)
+        if self.then is not None:
+            self.then(stream, line)
+
+    def read(self, parsed: Parsed) -> None:
+        """Take one parsed line (what `__call__` does with a line that matched)."""
+        with self._lock:
+            now = self._clock()
+            self._queue.append(Reading(now, parsed))
+            if len(self._times) >= TIMELINE:
+                del self._times[: TIMELINE // 2], self._steps[: TIMELINE // 2]
+            self._times.append(now)
+            self._steps.append(parsed.step)
+            self._latest.update(parsed.metrics)
+            if self.spool is not None and parsed.metrics:
+                ms = int(now * 1000)
+                self.spool.send([(k, v, ms, parsed.step) for k, v in parsed.metrics.items()])
+        if self.on_step is not None:
+            self.on_step(parsed.step)
+
+    def take(self) -> list[Reading]:
+        """The lines parsed since the last call, oldest first."""
+        with self._lock:
+            taken, self._queue = self._queue, []
+        return taken
+
+    def step_at(self, when: float) -> int:
+        """The step of the last line read at or before `when` (the segment's start step before any)."""
+        with self._lock:
+            i = bisect.bisect_right(self._times, when)
+            return self._steps[i - 1] if i else self.start_step
+
+    def latest(self) -> dict[str, float]:
+        """The last value printed of each metric."""
+        with self._lock:
+            return dict(self._latest)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.spool is not None:
+                self.spool.close()

@@ -1,0 +1,516 @@
+"""Script mode's parts (issue 16, part 3): the output parser, the relaunch template, the `script:` policy section
+and its errors, `policy explain`, and the versioning of a script's own checkpoint files into our store."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies import PolicyError, parse_policy
+from policies.summary import summarize
+from supervisor.checkpoint import open_store
+from supervisor.checkpoint.blobs import tensor_digest
+from supervisor.checkpoint.retention import policy_from_settings
+from supervisor.cli import main
+from supervisor.errors import CheckpointCorrupt
+from supervisor.monitor import DetectorSet, build_detectors
+from supervisor.script import opaque
+from supervisor.script.files import ScriptFiles, glob_regex
+from supervisor.script.output import OutputParser, Parsed, pattern_problem
+from supervisor.script.steps import NameStep, OutputStep, SidecarStep
+from supervisor.script.tap import OutputTap
+from supervisor.script.template import ArgTemplate, TemplateError
+from supervisor.script.watch import ScriptWatcher
+from supervisor.spool import SpoolReader, SpoolWriter
+from tests.conftest import REPO
+
+SCRIPT_POLICY = REPO / "tests" / "data" / "policies" / "script.yaml"
+NANOGPT = r"iter (?P<step>\d+): loss (?P<loss>[^,\s]+)"
+
+# -- the output parser ------------------------------------------------------------------------------------
+
+PARSE_CASES = [
+    # (line, expected)
+    ("iter 120: loss 3.2102, time 51.3ms, mfu 12.1%", Parsed(120, {"loss": 3.2102})),
+    ("iter 7: loss nan, time 50ms", None),  # checked below: NaN compares unequal
+    ("iter 8: loss inf", Parsed(8, {"loss": math.inf})),
+    ("step 500: train loss 2.9, val loss 3.1", Parsed(500, {"train_loss": 2.9, "val_loss": 3.1})),
+    ("iter 9: loss 12ms", Parsed(9, {})),  # a group that does not read as a number is left out
+    ("saving checkpoint to out", None),
+    ("iteration 3: loss 1.0", None),
+]
+
+
+@pytest.mark.parametrize(("line", "expected"), PARSE_CASES)
+def test_the_parser_reads_step_and_metrics(line, expected):
+    parser = OutputParser(
+        [NANOGPT, r"step (?P<step>\d+): train loss (?P<train_loss>\S+), val loss (?P<val_loss>\S+)"]
+    )
+    parsed = parser.parse(line)
+    if "nan" in line:
+        assert parsed.step == 7 and math.isnan(parsed.metrics["loss"]) and not parsed.finite
+    else:
+        assert parsed == expected
+
+
+def test_the_first_matching_pattern_wins_and_metrics_are_named_by_groups():
+    parser = OutputParser([r"(?P<step>\d+) a=(?P<a>\S+)", r"(?P<step>\d+) a=(?P<b>\S+)"])
+    assert parser.parse("4 a=1.5") == Parsed(4, {"a": 1.5})
+    assert parser.metrics == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        (NANOGPT, None),
+        (r"iter (\d+): loss (?P<loss>\S+)", "has no named group `step`"),
+        (r"iter (?P<step>\d+: loss", "is not a valid regular expression"),
+    ],
+)
+def test_pattern_problems(pattern, problem):
+    found = pattern_problem(pattern)
+    assert (found is None) if problem is None else found.startswith(problem)
+
+
+# -- the relaunch template --------------------------------------------------------------------------------
+
+FIELDS = {"checkpoint": "out/ckpt.pt", "step": 1200, "lr_scale": 0.25, "skip_batches": 7, "lr": 6e-4}
+
+RENDER_CASES = [
+    ("--init_from=resume --learning_rate={lr * lr_scale}", ["--init_from=resume", "--learning_rate=0.00015"]),
+    (["--lr={lr*lr_scale:.2e}"], ["--lr=1.50e-04"]),
+    (
+        ["--skip={skip_batches}", "--step={step}", "--ckpt={checkpoint}"],
+        ["--skip=7", "--step=1200", "--ckpt=out/ckpt.pt"],
+    ),
+    (["--lr={2 * lr_scale}"], ["--lr=0.5"]),
+    (["--lr={8 * lr_scale}"], ["--lr=2.0"]),  # a float stays a float: nanoGPT refuses --learning_rate=2
+    (["--every={2 * step}"], ["--every=2400"]),
+    (['--json={{"a": {step}}}'], ['--json={"a": 1200}']),
+    ("--note='two words' --x={ lr }", ["--note=two words", "--x=0.0006"]),
+    ([], []),
+]
+
+
+@pytest.mark.parametrize(("args", "expected"), RENDER_CASES)
+def test_the_template_renders_products_of_named_values(args, expected):
+    assert ArgTemplate.parse(args, {"lr": 6e-4}).render(FIELDS) == expected
+
+
+def test_the_template_knows_which_fields_it_uses():
+    template = ArgTemplate.parse("--init_from=resume --learning_rate={lr * lr_scale}", {"lr": 1.0})
+    assert template.fields == {"lr", "lr_scale"}
+
+
+TEMPLATE_ERRORS = [
+    # (args, item, words in the error)
+    (["--lr={lrr * lr_scale}"], 0, "unknown name 'lrr'"),
+    (["--a", "--lr={lr!r}"], 1, "without a conversion"),
+    (["--lr={lr.real}"], 0, "a name or a product"),
+    (["--lr={lr + 1}"], 0, "a name or a product"),
+    (["--lr={__import__('os')}"], 0, "a name or a product"),
+    (["--c={checkpoint * 2}"], 0, "cannot be multiplied"),
+    (["--s={step:.3q}"], 0, "a format spec for a int"),
+    (["--s={step"], 0, "balanced braces"),
+    ("--s='{step}", None, "quoted as a shell would"),
+]
+
+
+@pytest.mark.parametrize(("args", "item", "words"), TEMPLATE_ERRORS)
+def test_the_template_refuses_anything_but_names_and_products(args, item, words):
+    with pytest.raises(TemplateError) as err:
+        ArgTemplate.parse(args, {"lr": 1.0})
+    assert err.value.item == item and words in str(err.value)
+
+
+# -- the policy section and its errors ---------------------------------------------------------------------
+
+BASE = """\
+version: 1
+name: s
+rules:
+  - when: [divergence]
+    action: rollback
+    target: {select: before, lookback_steps: 50}
+    skip_batches: 5
+    lr_scale: 0.5
+script:
+"""
+
+SCHEMA_ERRORS = [
+    (
+        "  output: {patterns: ['iter (\\d+): loss (?P<loss>\\S+)']}\n  checkpoints: {glob: out/ckpt.pt}\n",
+        ":10:23: script.output.patterns[0]: expected a regular expression with a named group `step` "
+        "(this one has no named group `step`",
+    ),
+    (
+        "  output: {patterns: ['iter (?P<step>\\d+: loss']}\n  checkpoints: {glob: out/ckpt.pt}\n",
+        ":10:23: script.output.patterns[0]: expected a regular expression with a named group `step` "
+        "(this one is not a valid regular expression",
+    ),
+    (
+        "  checkpoints: {glob: out/ckpt.pt}\n",
+        ":10:16: script.checkpoints.step_from: expected name or sidecar when output.patterns is empty",
+    ),
+    (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: ../out/ckpt.pt}}\n",
+        ":11:23: script.checkpoints.glob: expected a glob relative to the working directory, without `..`, "
+        'got "../out/ckpt.pt"',
+    ),
+    (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt}}\n"
+        "  relaunch: {args: ['--init_from=resume', '--learning_rate={lrr * lr_scale}'], values: {lr: 1.0}}\n",
+        ":12:43: script.relaunch.args[1]: expected a field naming one of checkpoint, lr, lr_scale, skip_batches, "
+        "step, got {lrr * lr_scale} (unknown name 'lrr')",
+    ),
+    (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt}}\n"
+        "  relaunch: {args: '--learning_rate={lr * lr_scale}', values: {lr: 6e-4}}\n",
+        ":12:68: script.relaunch.values.lr: expected a number (YAML needs a dot in 6.0e-4; 6e-4 is a string), "
+        'got "6e-4"',
+    ),
+    (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: 'c/*.pt', step_from: name}}\n",
+        ":11:16: script.checkpoints.step_pattern: expected a regular expression with a named group `step` "
+        "for step_from: name",
+    ),
+]
+
+
+@pytest.mark.parametrize(("section", "message"), SCHEMA_ERRORS)
+def test_a_bad_script_section_names_file_line_key_expected_and_found(section, message):
+    with pytest.raises(PolicyError) as err:
+        parse_policy(BASE + section, "p.yaml")
+    assert str(err.value).startswith("p.yaml" + message), str(err.value)
+
+
+def test_run_refuses_a_bad_script_section_in_one_line_with_exit_2(tmp_path, capsys):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(BASE + SCHEMA_ERRORS[0][0])
+    assert (
+        main(["run", "--policy", str(bad), "--workdir", str(tmp_path / "w"), "--", "python", "train.py"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}:10:23: script.output.patterns[0]: expected") and err.count("\n") == 1
+    assert "Traceback" not in err and not (tmp_path / "w").exists()
+
+
+def test_explain_says_which_rule_keys_the_script_cannot_honour():
+    policy = parse_policy(
+        BASE + f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt}}\n"
+        "  relaunch: {args: '--init_from=resume --learning_rate={lr * lr_scale}', values: {lr: 6.0e-4}}\n"
+    )
+    text = summarize(policy)
+    (line,) = [ln for ln in text.splitlines() if ln.strip().startswith("divergence")]
+    assert "skip 5 batches (unsupported: script.relaunch.args has no {skip_batches}" in line
+    assert "scale the learning rate by 0.5." in line  # {lr_scale} is in the template: supported
+    assert (
+        "Relaunch: the command plus --init_from=resume --learning_rate={lr * lr_scale} (lr = 0.0006)" in text
+    )
+    assert "Not used in script mode (the script decides when it saves): checkpoint.every_steps" in text
+
+
+def test_the_test_policy_explains_through_the_cli(capsys):
+    assert main(["policy", "explain", str(SCRIPT_POLICY)]) == 0
+    out = capsys.readouterr().out
+    assert "skip 7 batches (unsupported" in out and "Script mode" in out
+
+
+# -- the output tap and the watcher ------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_tap_spools_queues_and_times_each_step(tmp_path):
+    clock, lines = Clock(), []
+    tap = OutputTap(
+        OutputParser([NANOGPT]),
+        spool=SpoolWriter(tmp_path / "0.jsonl"),
+        start_step=40,
+        then=lambda stream, line: lines.append(line),
+        clock=clock,
+    )
+    assert tap.step_at(99.0) == 40  # before any line: the step the segment started from
+    for step in (41, 42):
+        clock.now += 1
+        tap("stdout", f"iter {step}: loss {step / 10}")
+    tap("stderr", "a warning")
+    assert [tap.step_at(t) for t in (100.5, 101.0, 101.5, 102.0, 500.0)] == [40, 41, 41, 42, 42]
+    assert [r.parsed.step for r in tap.take()] == [41, 42] and tap.take() == []
+    assert tap.latest() == {"loss": 4.2} and lines == ["iter 41: loss 4.1", "iter 42: loss 4.2", "a warning"]
+    tap.close()
+    points, _ = SpoolReader(tmp_path / "0.jsonl").pending(10)
+    assert points == [("loss", 4.1, 101000, 41), ("loss", 4.2, 102000, 42)]
+
+
+def test_the_watcher_sees_what_was_printed_after_its_last_poll(tmp_path):
+    tap = OutputTap(OutputParser([NANOGPT]))
+    watcher = ScriptWatcher(tap, DetectorSet(build_detectors([{"type": "non_finite", "metrics": ["loss"]}])))
+    tap("stdout", "iter 1: loss 2.0")
+    assert watcher.poll(1.0) == [] and watcher.last_step == 1
+    tap("stdout", "iter 2: loss nan")  # the script printed this, then exited before the next poll
+    event = watcher.leftover(2.0)
+    assert (event.type, event.onset_step, watcher.last_step) == ("non_finite", 2, 2)
+
+
+# -- versioning the script's files -------------------------------------------------------------------------
+
+
+def _save(path: Path, value: float, iter_num: int) -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": torch.full((256,), value), "iter_num": iter_num}, path)
+    return path.read_bytes()
+
+
+def _files(tmp_path: Path, step: list[int], **kw) -> ScriptFiles:
+    kw.setdefault("settle_seconds", 0.0)
+    kw.setdefault("zip_check", True)
+    return ScriptFiles(
+        tmp_path / "run", "out/ckpt.pt", tmp_path / "store", OutputStep(lambda when: step[0]), **kw
+    )
+
+
+def test_a_changed_file_is_versioned_once_settled_and_an_unchanged_one_is_not(tmp_path):
+    step, clock = [0], Clock(1e12)  # a clock far after every mtime: everything has settled
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, step, clock=clock) as files:
+        first = _save(ckpt, 1.0, 10)
+        step[0] = 10
+        assert files.scan() == []  # seen once: it may still be written
+        (v10,) = files.scan(metrics={"loss": 0.5})
+        _save(ckpt, 1.0, 10)  # the same bytes written again: a new mtime, nothing new to keep
+        assert files.scan() == [] and files.scan() == []
+        step[0] = 20
+        _save(ckpt, 2.0, 20)
+        assert files.scan() == []
+        (v20,) = files.scan(metrics={"loss": float("nan")})
+        infos = files.catalog.list()
+    assert [(i.id, i.step) for i in infos] == [(v10, 10), (v20, 20)]
+    assert infos[0].metrics == {"loss": 0.5} and infos[0].healthy and not infos[1].healthy
+    catalog = open_store(tmp_path / "store")
+    assert catalog.verify(v10, "full") is None and catalog.verify(v20, "full") is None
+    manifest = catalog.manifest(v10)
+    (ref,) = manifest.tensors.values()
+    assert ref.key == "out/ckpt.pt" and (ref.dtype, ref.shape) == ("U8", (len(first),))
+    assert ref.digest == tensor_digest(torch.frombuffer(bytearray(first), dtype=torch.uint8))
+
+
+def test_identical_bytes_are_stored_once(tmp_path):
+    step = [10]
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, step) as files:
+        one = _save(ckpt, 1.0, 10)
+        (a,) = files.scan(final=True)
+        _save(ckpt, 2.0, 20)
+        step[0] = 20
+        (b,) = files.scan(final=True)
+        ckpt.write_bytes(one)  # the script went back to the first state (a new file, the same bytes)
+        step[0] = 30
+        (c,) = files.scan(final=True)
+    catalog = open_store(tmp_path / "store")
+    blobs = {cid: next(iter(catalog.manifest(cid).tensors.values())).blob for cid in (a, b, c)}
+    assert blobs[a] == blobs[c] != blobs[b] and len(catalog.blob_files()) == 2
+    assert catalog.manifest(c).written_bytes == 0
+
+
+def test_a_file_still_changing_or_cut_short_is_not_versioned(tmp_path):
+    step, clock = [5], Clock(0.0)
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, step, clock=clock, settle_seconds=2.0) as files:
+        whole = _save(ckpt, 1.0, 5)
+        clock.now = ckpt.stat().st_mtime + 1.0
+        assert files.scan() == [] and files.scan() == []  # unchanged, but not yet 2 s old
+        clock.now += 1.5
+        (good,) = files.scan()
+        ckpt.write_bytes(whole[: len(whole) // 2])  # a save cut short by a kill
+        clock.now += 10
+        assert files.scan() == [] and files.scan() == [] and files.scan(final=True) == []
+        assert [i.id for i in files.catalog.list()] == [good]
+
+
+def test_a_restore_puts_an_older_version_back_byte_identical_and_abandons_later_ones(tmp_path):
+    step = [10]
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, step) as files:
+        old = _save(ckpt, 1.0, 10)
+        (v10,) = files.scan(final=True)
+        step[0] = 20
+        _save(ckpt, 2.0, 20)
+        (v20,) = files.scan(final=True)
+    inode = ckpt.stat().st_ino
+    with _files(tmp_path, [0]).open(baseline=False) as files:
+        restored = files.restore(v10, rollback=True)
+        abandoned = files.catalog.abandoned_ids()
+    assert (restored.id, restored.step, restored.files) == (v10, 10, ("out/ckpt.pt",))
+    assert ckpt.read_bytes() == old and ckpt.stat().st_ino != inode  # renamed into place, not rewritten
+    state = torch.load(io.BytesIO(old), weights_only=True)
+    assert torch.equal(torch.load(ckpt, weights_only=True)["w"], state["w"])
+    assert abandoned == {v20} and not list(ckpt.parent.glob("*tmp"))
+    assert open_store(tmp_path / "store").latest().id == v10
+
+
+def test_a_restore_of_a_damaged_version_leaves_the_file_in_place(tmp_path):
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, [10]) as files:
+        _save(ckpt, 1.0, 10)
+        (v10,) = files.scan(final=True)
+    blob = tmp_path / "store" / next(iter(open_store(tmp_path / "store").manifest(v10).tensors.values())).blob
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF
+    blob.write_bytes(bytes(raw))
+    newer = _save(ckpt, 3.0, 30)
+    with (
+        _files(tmp_path, [0]).open(baseline=False) as files,
+        pytest.raises(CheckpointCorrupt, match="reads back"),
+    ):
+        files.restore(v10)
+    assert ckpt.read_bytes() == newer and not list(ckpt.parent.glob("*tmp"))
+
+
+def test_a_version_never_writes_outside_the_glob(tmp_path):
+    root = tmp_path / "run"
+    wide = ScriptFiles(
+        root, "**/*.pt", tmp_path / "store", NameStep(r"_(?P<step>\d+)\.pt$"), settle_seconds=0
+    )
+    with wide:
+        _save(root / "elsewhere" / "m_10.pt", 1.0, 10)
+        (cid,) = wide.scan(final=True)
+    narrow = ScriptFiles(root, "ckpts/*.pt", tmp_path / "store", NameStep(r"_(?P<step>\d+)\.pt$"))
+    with narrow.open(baseline=False), pytest.raises(CheckpointCorrupt, match="does not match"):
+        narrow.restore(cid)
+
+
+def test_steps_from_names_version_each_step_and_a_restore_removes_newer_files(tmp_path):
+    root = tmp_path / "run"
+    files = ScriptFiles(
+        root, "ckpts/*.pt", tmp_path / "store", NameStep(r"step_(?P<step>\d+)\.pt$"), settle_seconds=0
+    )
+    with files:
+        first = _save(root / "ckpts" / "step_10.pt", 1.0, 10)
+        _save(root / "ckpts" / "step_20.pt", 2.0, 20)
+        (root / "ckpts" / "notes.pt").write_bytes(b"not a checkpoint")  # matches the glob, not the pattern
+        v10, v20 = files.scan(final=True)
+        (root / "ckpts" / "step_10.pt").unlink()
+        restored = files.restore(v10, rollback=True)
+    assert [(i.id, i.step) for i in open_store(tmp_path / "store").list()] == [(v10, 10), (v20, 20)]
+    assert restored.files == ("ckpts/step_10.pt",)
+    assert (root / "ckpts" / "step_10.pt").read_bytes() == first
+    assert sorted(p.name for p in (root / "ckpts").iterdir()) == ["notes.pt", "step_10.pt"]
+
+
+def test_a_sidecar_names_the_step(tmp_path):
+    root = tmp_path / "run"
+    files = ScriptFiles(
+        root,
+        "out/*",
+        tmp_path / "store",
+        SidecarStep(root / "out" / "meta.json", "iter_num"),
+        settle_seconds=0,
+    )
+    with files:
+        _save(root / "out" / "model.pt", 1.0, 0)
+        assert files.scan(final=True) == []  # no sidecar yet: its step cannot be told
+        (root / "out" / "meta.json").write_text(json.dumps({"iter_num": 300}))
+        (cid,) = files.scan(final=True)
+        manifest = files.catalog.manifest(cid)
+    assert manifest.step == 300 and sorted(manifest.tensors) == ["out/meta.json", "out/model.pt"]
+
+
+def test_retention_keeps_the_newest_and_deletes_the_rest_with_their_blobs(tmp_path):
+    step = [0]
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, step, retention=policy_from_settings(keep_last=2)) as files:
+        ids = []
+        for i in range(1, 5):
+            step[0] = 10 * i
+            _save(ckpt, float(i), 10 * i)
+            ids += files.scan(final=True)
+    catalog = open_store(tmp_path / "store")
+    assert [i.id for i in catalog.list()] == ids[-2:] and len(catalog.blob_files()) == 2
+
+
+# A crash between staging and the commit marker: the process dies at the gate (SIGKILL, nothing cleans up).
+CRASH = """
+import os, signal, sys
+from pathlib import Path
+from supervisor.script.files import ScriptFiles
+from supervisor.script.steps import OutputStep
+tmp = Path(sys.argv[1])
+files = ScriptFiles(tmp / "run", "out/ckpt.pt", tmp / "store", OutputStep(lambda when: 20), settle_seconds=0).open()
+os.replace(tmp / "new.pt", tmp / "run" / "out" / "ckpt.pt")  # the script saves while we watch
+files.before_commit = lambda: os.kill(os.getpid(), signal.SIGKILL)
+files.scan(final=True)
+"""
+
+
+def test_a_commit_cut_short_leaves_the_old_version(tmp_path):
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, [10]) as files:
+        old = _save(ckpt, 1.0, 10)
+        (v10,) = files.scan(final=True)
+    new = _save(tmp_path / "new.pt", 2.0, 20)
+    died = subprocess.run(
+        [sys.executable, "-c", CRASH, str(tmp_path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    staged = os.listdir(tmp_path / "store" / ".tmp")
+    assert len(staged) == 1 and staged[0].startswith("0000000020-000002")  # the copy was made, not committed
+    assert [i.id for i in open_store(tmp_path / "store").list()] == [v10]
+    with _files(tmp_path, [0]).open(baseline=False) as files:  # opening cleans up what the crash left
+        assert os.listdir(tmp_path / "store" / ".tmp") == []
+        assert files.catalog.verify(v10, "full") is None and len(files.catalog.blob_files()) == 1
+        files.restore(v10)
+    assert ckpt.read_bytes() == old != new
+
+
+def test_glob_regex_matches_what_path_glob_matches(tmp_path):
+    for rel in ("out/ckpt.pt", "out/a/b/ckpt.pt", "ckpt.pt", "out/ckpt.pth", "out/.ckpt.pt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    for pattern in (
+        "out/ckpt.pt",
+        "out/*.pt",
+        "**/ckpt.pt",
+        "out/**/*.pt",
+        "*.pt",
+        "out/ckpt.p[t]",
+        "out/?kpt.pt",
+    ):
+        globbed = {p.relative_to(tmp_path).as_posix() for p in tmp_path.glob(pattern) if p.is_file()}
+        regex = glob_regex(pattern)
+        matched = {
+            rel
+            for rel in ("out/ckpt.pt", "out/a/b/ckpt.pt", "ckpt.pt", "out/ckpt.pth", "out/.ckpt.pt")
+            if regex.match(rel)
+        }
+        assert matched == globbed, pattern
+
+
+def test_the_opaque_digest_is_the_stores_tensor_digest(tmp_path):
+    data = os.urandom(100_003)
+    (tmp_path / "f").write_bytes(data)
+    digest, size = opaque.file_digest(tmp_path / "f")
+    assert size == len(data) and digest == tensor_digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def test_the_nanogpt_example_policy_loads_and_honours_every_key_it_sets(capsys):
+    example = REPO / "examples" / "script_mode" / "nanogpt.yaml"
+    assert main(["policy", "explain", str(example)]) == 0
+    out = capsys.readouterr().out
+    assert "unsupported" not in out.lower()
+    assert "scale the learning rate by 0.5" in out and "Relaunch: the command plus --init_from=resume" in out
