@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     deterministic()
     trainer = build(args)
-    trainer.train()  # under supervision, a stop ends the process here with its exit code (75, 76, 3)
+    trainer.train()  # a stop ends the process here with its exit code (75, 76, 3); a set-up mistake with 2
     return 0
 
 

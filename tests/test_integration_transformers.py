@@ -8,6 +8,7 @@ their relaunches must not change one bit of the model or optimizer, nor one logg
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,11 +19,18 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions, open_store
+from supervisor.errors import UserError
 from supervisor.flatten import flatten
 from supervisor.orchestrator import LineageRunner, RunOptions, python_command
 from supervisor.rng import capture_rng, restore_rng
+from supervisor.runtime.actions import SaveDue, Stop
+from supervisor.runtime.core import TrainingCore
 from supervisor.runtime.faults import FAULTS_ENV
+from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
+from supervisor.runtime.seams import NullMetrics
+from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
 from tests.conftest import REPO
 from tests.flowkit import history, live_series, record
@@ -31,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing can be fetched here; the
 
 HF = str(REPO / "examples" / "hf_tiny_gpt.py")
 HF_POLICY = REPO / "tests" / "data" / "policies" / "hf-fast.yaml"
+HF_SYNC_POLICY = REPO / "tests" / "data" / "policies" / "hf-sync.yaml"  # saves committed before the next step
 CLI = Path(sys.executable).with_name("rollback-supervisor")
 STEPS, SAMPLES, BATCH, SEED = 60, 256, 8, 0
 PER_EPOCH = SAMPLES // BATCH
@@ -77,11 +86,11 @@ def assert_bit_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert not different, different
 
 
-def supervise(workdir: Path, faults: str) -> dict[str, Any]:
+def supervise(workdir: Path, faults: str, policy: Path = HF_POLICY) -> dict[str, Any]:
     """The supervisor core (no Prefect) on the example until it finishes; the lineage record."""
     options = RunOptions(
         command=python_command(COMMAND),
-        policy_path=str(HF_POLICY),
+        policy_path=str(policy),
         lineage="hf",
         workdir=workdir,
         stop_grace_seconds=10,
@@ -149,8 +158,51 @@ def test_a_checkpoint_of_another_batch_count_is_refused_with_its_numbers():
     from supervisor.errors import CheckpointError
     from supervisor.integrations.transformers import DataPosition
 
-    with pytest.raises(CheckpointError, match="written with 40 batches per epoch, this Trainer has 32"):
+    with pytest.raises(
+        CheckpointError, match="written with 40 batches per epoch, this Trainer has 32"
+    ) as err:
         DataPosition(32).load_state_dict({"batches": 7, "batches_per_epoch": 40})
+    assert isinstance(err.value, UserError)  # a user's mistake: exit 2, one line, no traceback
+
+
+def test_without_in_process_rollback_the_core_reports_the_anomaly_and_stops_with_exit_76(tmp_path: Path):
+    # A policy and a checkpoint with which the core would roll back in process (test_runtime_core.py).
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "version: 1\nname: core\ncheckpoint: {every_steps: 2, keep_last: 10, async: false}\n"
+        "monitor: {detectors: [{type: non_finite, metrics: [loss]}]}\n"
+        "rules: [{when: [non_finite], action: rollback, target: {select: latest}, lr_scale: 0.5}]\n"
+    )
+    plan = LaunchPlan(
+        lineage="core",
+        workdir=str(tmp_path / "work"),
+        checkpoint_dir=str(tmp_path / "work" / "checkpoints"),
+        tracking_uri=f"sqlite:///{tmp_path / 'unused.db'}",
+        policy_path=str(policy),
+        supervised=False,
+    )
+    core = TrainingCore(plan, load_session_policy(plan), TrainingState(), in_process_rollback=False)
+    core.outputs.metrics = NullMetrics()
+    net = torch.nn.Linear(4, 1)
+    core.register("model", net)
+    core.restore()
+    try:
+        core.state.step = 2
+        assert core.step_ended(2, {"loss": 1.0}) == SaveDue(2)
+        assert core.save(2, {"loss": 1.0}) and core.wait()
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        after = net.weight.detach().clone()
+        core.state.step = 3
+        action = core.step_ended(3, {"loss": float("nan")})
+    finally:
+        core.close()
+    assert isinstance(action, Stop) and action.reason.startswith("anomaly: ")
+    assert (action.exit_code, action.checkpoint) == (exitcodes.EXIT_ANOMALY, False)
+    assert core.exit_code == exitcodes.EXIT_ANOMALY and core.rollbacks_in_process == 0
+    assert core.state.step == 3 and torch.equal(net.weight, after)  # nothing was restored
+    (report,) = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    assert report["handled_in_process"] is False and report["event"]["type"] == "non_finite"
 
 
 @pytest.mark.parametrize(
@@ -164,18 +216,124 @@ def test_a_checkpoint_of_another_batch_count_is_refused_with_its_numbers():
     ],
     ids=["unseedable-order", "accumulation-across-epochs"],
 )
-def test_a_trainer_that_cannot_resume_exactly_is_refused_before_anything_starts(tmp_path, change, message):
+def test_a_trainer_that_cannot_resume_exactly_is_refused_before_anything_starts(
+    tmp_path, capsys, change, message
+):
     sys.path.insert(0, str(REPO / "examples"))
     import hf_tiny_gpt
-
-    from supervisor.integrations.transformers import TrainerSetupError
 
     trainer = hf_tiny_gpt.build(hf_tiny_gpt.parse_args([*ARGS, "--workdir", str(tmp_path)]))
     for key, value in change.items():
         setattr(trainer.args, key, value)
-    with pytest.raises(TrainerSetupError, match=message):
+    with pytest.raises(SystemExit) as end:
         trainer.train()
+    assert end.value.code == 2  # a user's mistake: one line on stderr, no traceback
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert message in line
     assert not (tmp_path / "standalone").exists()  # refused before the store was opened
+
+
+def test_a_setup_mistake_exits_2_with_one_error_line_and_no_traceback(tmp_path):
+    # 3 does not divide the 32 batches of an epoch: refused inside train(), before anything starts.
+    proc = subprocess.run(
+        [sys.executable, HF, *ARGS, "--grad-accum", "3", "--workdir", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "gradient_accumulation_steps=3 does not divide" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert not (tmp_path / "standalone").exists()
+
+
+def _tiny_trainer(tmp_path: Path, *extra: str) -> Any:
+    sys.path.insert(0, str(REPO / "examples"))
+    import hf_tiny_gpt
+
+    argv = ["--steps", "4", "--samples", "64", "--batch-size", "8", "--threads", "1", "--warmup", "2"]
+    return hf_tiny_gpt.build(hf_tiny_gpt.parse_args([*argv, *extra, "--workdir", str(tmp_path)]))
+
+
+def test_a_segment_restored_at_max_steps_returns_from_train_and_the_script_goes_on(
+    tmp_path, monkeypatch, capsys
+):
+    plan = LaunchPlan(
+        lineage="hf-end",
+        workdir=str(tmp_path / "work"),
+        checkpoint_dir=str(tmp_path / "work" / "checkpoints"),
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        policy_path=str(HF_POLICY),
+        supervised=False,
+    )
+    monkeypatch.setenv(PLAN_ENV, str(plan.write(tmp_path / "plan.json")))
+    first = _tiny_trainer(tmp_path)
+    first.train()
+    trained = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+    # The relaunch of a segment that ended at max_steps: nothing to train, and train() returns.
+    again = _tiny_trainer(tmp_path, "--seed", "1")  # other initial weights: the restore must replace them
+    again.train()
+    assert again.state.global_step == 4
+    again.save_model(str(tmp_path / "saved"))  # what a user's script does after train()
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    restored = again.model.state_dict()
+    assert all(torch.equal(restored[k], t) for k, t in trained.items())
+    # A relaunch with another batch size cannot continue that data position: exit 2, one error line.
+    capsys.readouterr()
+    other = _tiny_trainer(tmp_path, "--batch-size", "16")
+    with pytest.raises(SystemExit) as end:
+        other.train()
+    assert end.value.code == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: data.batches_per_epoch: the checkpoint was written with 8 batches per epoch, this Trainer "
+        "has 4; resume with the dataset, batch size and drop_last it was written with"
+    ]
+
+
+def _policy(tmp_path: Path, detectors: str, rules: str = "[{when: [non_finite], action: stop}]") -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "version: 1\nname: hf-unit\ncheckpoint: {every_steps: 4, keep_last: 10, async: false}\n"
+        f"monitor: {{detectors: {detectors}}}\nrules: {rules}\n"
+    )
+    return path
+
+
+def test_every_step_a_save_may_be_due_at_is_logged_so_no_checkpoint_is_written_unchecked(tmp_path, caplog):
+    policy = _policy(tmp_path, "[{type: non_finite, metrics: [loss, grad_norm]}]")
+    trainer = _tiny_trainer(tmp_path, "--steps", "6", "--policy", str(policy))
+    trainer.args.logging_steps = 100  # the Trainer alone would log no step of this run
+    trainer.args.logging_nan_inf_filter = True
+    with caplog.at_level("WARNING", logger="rollback_supervisor.transformers"):
+        trainer.train()
+    # Step 4 (every_steps) and step 6 (the final checkpoint) were logged, so the detectors saw their loss.
+    assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [4, 6]
+    (store,) = tmp_path.glob("standalone/hf-tiny-gpt-*/checkpoints")
+    saved = {info.step: info.metrics for info in open_store(store).list()}
+    assert sorted(saved) == [4, 6] and all("loss" in m and "grad_norm" in m for m in saved.values())
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "logging_steps=100, checkpoint.every_steps=4" in warned
+    assert "set logging_nan_inf_filter=False" in warned
+
+
+def test_an_evaluation_due_at_a_step_reaches_the_detectors_before_the_decision(tmp_path):
+    # eval_loss is always above 0: the anomaly is seen only if the decision waits for the evaluation.
+    policy = _policy(
+        tmp_path,
+        "[{type: threshold, metric: eval_loss, above: 0}]",
+        "[{when: [threshold], action: rollback, target: {select: latest}}]",
+    )
+    trainer = _tiny_trainer(tmp_path, "--steps", "4", "--eval-every", "2", "--policy", str(policy))
+    with pytest.raises(SystemExit) as end:
+        trainer.train()
+    assert end.value.code == exitcodes.EXIT_ANOMALY
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2]  # stopped at the first
+    (events,) = tmp_path.glob("standalone/hf-tiny-gpt-*/events.jsonl")
+    (report,) = [json.loads(line) for line in events.read_text().splitlines()]
+    assert report["event"]["type"] == "threshold" and report["event"]["step"] == 2
 
 
 # -- end to end --------------------------------------------------------------------------------------------
@@ -202,7 +360,8 @@ def test_standalone_runs_to_the_end_and_exits_zero(standalone):
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_relaunch_is_bit_identical(standalone, tmp_path: Path):
     # Killed in epoch 1 at step 37; the relaunch restores step 30 (epoch 0) and crosses the boundary at 32.
-    rec = supervise(tmp_path, "kill@37")
+    # Synchronous saves: step 30's checkpoint is committed before step 31 starts, however loaded the machine.
+    rec = supervise(tmp_path, "kill@37", HF_SYNC_POLICY)
     first, second = rec["segments"]
     assert first["returncode"] == -9 and first["event"]["type"] == "unknown_exit"
     assert second["restore"]["checkpoint_id"].startswith("0000000030-") and second["outcome"] == "finished"

@@ -19,24 +19,49 @@ its loop:
   count. The Trainer's epochs then only count its loop; `state.epoch` is set back to the data's epoch after
   every step. The loader draws its worker base seed from a generator of its own, so the global torch RNG,
   restored with the rest, sees only what training draws.
-- **Saves** are decided after a step's training log (`on_log`), and written at the next quiet point: the
-  start of the next step, or the end of the loop. Then the RNG streams are the ones the next step will use,
-  an evaluation at that step included, and the checkpoint's metrics include that evaluation.
+- **Decisions** (anomaly, save, stop) are taken once per optimizer step, on that step's metrics: after its
+  training log (`on_log`), or after its evaluation (`on_evaluate`) when one is due at that step, so the
+  detectors and the checkpoint see `eval_*` too; on a step with neither, at its end, on what there is. The
+  detectors see the loss only at logged steps, so the callback asks the Trainer to log every step a save may
+  be due at (`control.should_log`): no checkpoint is written unchecked. With `logging_steps` above the
+  policy's `checkpoint.every_steps` an anomaly between logs is first seen at the next log or save (a
+  warning at the start says so); with `logging_nan_inf_filter=True` (the Trainer's default) a NaN loss is
+  logged as the running average and only `grad_norm` can show it (a warning too).
+- **Saves** are written at the next quiet point after the decision: the start of the next step, or the end
+  of the loop. Then the RNG streams are the ones the next step will use, an evaluation at that step
+  included, and the checkpoint's metrics include that evaluation.
 - **Metrics** from `on_log` (loss, grad_norm, learning_rate, evaluations) go to the core's `log()`: the
   in-process detectors and the lineage's MLflow run. Every optimizer step also logs `data.batch` (the
   absolute position of its first batch in the shuffled stream, epochs laid end to end) and `data.sample`
   (that batch's first sample index), which show what a skip did.
-- **No in-process rollback.** The Trainer fixes its epoch and step ranges before `on_train_begin` and holds
-  the epoch's iterator (one batch ahead in accelerate, more with workers) inside its loop, so a callback
-  cannot rewind it. An anomaly is reported for the supervisor to decide, `train()` ends with
-  `SystemExit(76)`, and the supervisor relaunches with the plan (restore, skip, LR scale): one process start.
+- **No in-process rollback** (`TrainingCore(in_process_rollback=False)`). The Trainer fixes its epoch and
+  step ranges before `on_train_begin` and holds the epoch's iterator (one batch ahead in accelerate, more
+  with workers) inside its loop, so a callback cannot rewind it. An anomaly is reported for the supervisor
+  to decide, `train()` ends with `SystemExit(76)`, and the supervisor relaunches with the plan (restore,
+  skip, LR scale): one process start.
 - **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `train()` ends with
   `SystemExit(75)`; SIGUSR2: `SystemExit(3)`. The process must end with that code, so the rest of the user's
-  script does not run. A run that finishes writes its final checkpoint and returns from `train()` normally.
+  script does not run. A run that finishes writes its final checkpoint and returns from `train()` normally;
+  so does a segment restored at `max_steps` (the order hands out no batch, the loop ends without a step),
+  and the user's `save_model()` or `push_to_hub()` after `train()` runs.
+- **Mistakes** in the set-up (a Trainer that cannot resume exactly, a checkpoint of another epoch size, a
+  second `train()`) end the process with one `error: ...` line on stderr and exit 2, no traceback.
+- **Warnings** at the start for what costs without helping: the Trainer's own checkpoints
+  (`save_strategy` other than "no": pickled, never read here, unbounded without `save_total_limit`) and
+  `report_to` with "mlflow" (a separate MLflow run per segment; the lineage's run already has every metric).
 
-One Trainer private is touched, found from the calling frame: after a restore the counters the Trainer took
-before `on_train_begin` (`_globalstep_last_logged`, `_initial_global_step`) are set to the restored step,
-or its first logged loss would be averaged over every step since 0. Pinned to transformers 5.24.
+Private APIs used, all in this one list (supported transformers: `SUPPORTED_TRANSFORMERS`). The Trainer's
+counters are checked before they are set: a missing one raises `TrainerSetupError` naming that range; the
+others are read with `getattr` and a fallback (the plain torch loader and optimizer, no exportable callbacks):
+
+- `Trainer._globalstep_last_logged`, `Trainer._initial_global_step`, `Trainer._initial_num_input_tokens_seen`:
+  after a restore these counters, taken before `on_train_begin` from the fresh TrainerState, are set to the
+  restored values, or the first logged loss would be averaged over every step since 0;
+- the calling `Trainer`, found up the stack (`sys._getframe`): callbacks are not given it;
+- accelerate's `DataLoaderShard.base_dataloader` (the torch loader), whose `batch_sampler` is replaced past
+  `DataLoader.__setattr__`'s guard (`object.__setattr__`) and put back at the end;
+- accelerate's `AcceleratedOptimizer.optimizer` and `.scaler` (the torch optimizer and the grad scaler);
+- `Trainer.callback_handler.callbacks` (the `ExportableState` callbacks whose attributes are saved).
 
 Not exact: random draws inside the dataset's `__getitem__` (the Trainer's own resume has the same limit),
 data workers' random streams, and evaluations with `eval_strategy="epoch"`, which follow the Trainer's
@@ -45,25 +70,28 @@ divide the batches of an epoch (the Trainer's short last step of an epoch is cou
 started, so a resume would group batches into steps differently).
 
 Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does; an anomaly then
-exits 76 with nobody to relaunch. A segment restored at `max_steps` ends at once (`SystemExit(0)`).
+exits 76 with nobody to relaunch.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import TrainerCallback
 
 from supervisor import exitcodes
-from supervisor.errors import CheckpointError, UserError
-from supervisor.runtime.actions import Rollback, SaveDue, Stop
+from supervisor.errors import UserError
+from supervisor.integrations.hf_data import BatchCountMismatch, DataPosition, ResumableOrder
+from supervisor.integrations.hf_state import LOG_HISTORY_KEPT, TRAINER_STATE_FIELDS, TrainerStatePart
+from supervisor.runtime.actions import SaveDue, Stop
 from supervisor.runtime.core import TrainingCore
 from supervisor.runtime.plan import load_plan
 from supervisor.runtime.wiring import load_session_policy
@@ -72,22 +100,30 @@ from supervisor.state import TrainingState
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-    from supervisor.events import Event
+    from policies.schema import Policy
+
+__all__ = [
+    "LOG_HISTORY_KEPT",
+    "TRAINER_STATE_FIELDS",
+    "BatchCountMismatch",
+    "DataPosition",
+    "ResumableOrder",
+    "RollbackSupervisorCallback",
+    "TrainerSetupError",
+    "TrainerStatePart",
+]
 
 log = logging.getLogger("rollback_supervisor.transformers")
 
-#: TrainerState fields a resume restores (the rest the Trainer computes from its arguments).
-TRAINER_STATE_FIELDS = (
-    "global_step",
-    "epoch",
-    "total_flos",
-    "num_input_tokens_seen",
-    "best_metric",
-    "best_global_step",
-    "best_model_checkpoint",
-)
-#: How many of the latest `log_history` entries a checkpoint keeps (all of them are in MLflow).
-LOG_HISTORY_KEPT = 200
+#: The transformers versions whose Trainer privates (module docstring) this callback was checked against.
+SUPPORTED_TRANSFORMERS = ">=5.24,<5.25"
+#: The Trainer's counters a restore sets (module docstring), with the restored value's TrainerState field.
+TRAINER_COUNTERS = {
+    "_globalstep_last_logged": "global_step",
+    "_initial_global_step": "global_step",
+    "_initial_num_input_tokens_seen": "num_input_tokens_seen",
+}
+
 #: TrainingArguments logged as the run's parameters.
 CONFIG_ARGS = (
     "seed",
@@ -107,136 +143,25 @@ class TrainerSetupError(UserError):
     """The Trainer is set up in a way the supervisor cannot resume exactly."""
 
 
-class DataPosition:
-    """How many batches of the Trainer's shuffled order were consumed, skips included: the loader's state."""
-
-    def __init__(self, per_epoch: int):
-        self.per_epoch = per_epoch
-        self.batches = 0
-        self.batches_skipped = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches, "batches_per_epoch": self.per_epoch}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = int(state["batches_per_epoch"])
-        if saved != self.per_epoch:
-            raise CheckpointError(
-                f"data.batches_per_epoch: the checkpoint was written with {saved} batches per epoch, this "
-                f"Trainer has {self.per_epoch}; resume with the dataset, batch size and drop_last it was "
-                "written with"
-            )
-        self.batches = int(state["batches"])
-
-    def skip_batches(self, n: int) -> int:
-        """Skip the next `n` batches of the order (a plan's `skip_batches`)."""
-        self.batches += n
-        self.batches_skipped += n
-        return n
-
-    def epoch_of(self, position: int) -> tuple[int, int]:
-        """(data epoch, batch within it) of the batch at absolute `position`."""
-        return divmod(position, self.per_epoch)
+_Event = TypeVar("_Event", bound=Callable[..., None])
 
 
-class ResumableOrder:
-    """A batch sampler continuing the Trainer's own order from `position`: `len(inner)` batches per iteration.
+def _user_errors(event: _Event) -> _Event:
+    """A set-up mistake ends the process with one `error:` line on stderr and exit 2, no traceback.
 
-    Each data epoch is the inner batch sampler's order for that epoch (its sampler's `set_epoch(epoch)`), so
-    a run that never resumed sees exactly the batches it would have seen without the supervisor. Which
-    batches it handed out is kept (by position) until the callback says they were trained on.
+    Raised inside `train()` it would otherwise end the user's script with a traceback and exit 1.
     """
 
-    def __init__(self, inner: Any, position: DataPosition):
-        self.inner, self.position = inner, position
-        self.issued: dict[int, list[int]] = {}
+    @functools.wraps(event)
+    def handled(self: RollbackSupervisorCallback, *args: Any, **kwargs: Any) -> None:
+        try:
+            event(self, *args, **kwargs)
+        except UserError as exc:
+            self._abandon()
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.exit_code) from None
 
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self._from(self.position.batches)
-
-    def _from(self, start: int) -> Iterator[list[int]]:
-        epoch, skip = self.position.epoch_of(start)
-        handed = 0
-        while handed < len(self.inner):
-            sampler = getattr(self.inner, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
-            for index, batch in enumerate(self.inner):
-                if index < skip:
-                    continue
-                self.issued[start + handed] = list(batch)
-                yield batch
-                handed += 1
-                if handed == len(self.inner):
-                    return
-            epoch, skip = epoch + 1, 0
-
-    def consumed(self, position: int) -> list[int]:
-        """The sample indices of the batch at `position`, now trained on (forgotten here)."""
-        for old in [p for p in self.issued if p < position]:
-            del self.issued[old]
-        return self.issued.pop(position, [])
-
-
-class TrainerStatePart:
-    """The `TrainerState` as JSON (see TRAINER_STATE_FIELDS) and the exportable callbacks' attributes."""
-
-    def __init__(self, state: TrainerState, callbacks: list[Any]):
-        self.state, self.callbacks = state, callbacks
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f: getattr(self.state, f) for f in TRAINER_STATE_FIELDS}
-        out["log_history"] = [dict(entry) for entry in (self.state.log_history or [])[-LOG_HISTORY_KEPT:]]
-        out["callbacks"] = {type(cb).__name__: cb.state()["attributes"] for cb in self.callbacks}
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for field in TRAINER_STATE_FIELDS:
-            setattr(self.state, field, state[field])
-        self.state.log_history = [dict(entry) for entry in state["log_history"]]
-        saved = state.get("callbacks") or {}
-        for cb in self.callbacks:
-            for key, value in (saved.get(type(cb).__name__) or {}).items():
-                setattr(cb, key, value)
-
-
-class _SupervisorDecides:
-    """Stands in for the core's in-process rollback: every anomaly is left to the supervisor (exit 76).
-
-    The Trainer's loop cannot be rewound from a callback (module docstring), so nothing is rolled back here.
-    """
-
-    def __init__(self, inner: Any):
-        self._inner = inner
-
-    @property
-    def policy(self) -> Any:
-        return self._inner.policy
-
-    @property
-    def history(self) -> Any:
-        return self._inner.history
-
-    @property
-    def count(self) -> int:
-        return 0
-
-    def handle(self, store: Any, event: Event, step: int) -> None:
-        log.warning(
-            "anomaly at step %d: %s; the Trainer's loop cannot roll back in process, so the supervisor decides "
-            "and relaunches with its plan (exit %d)",
-            step,
-            event.reason,
-            exitcodes.EXIT_ANOMALY,
-        )
-        self._inner.left_to_supervisor(event)
-        return None
-
-    def left_to_supervisor(self, event: Event) -> None:
-        self._inner.left_to_supervisor(event)
+    return handled  # type: ignore[return-value]
 
 
 class RollbackSupervisorCallback(TrainerCallback):
@@ -274,6 +199,7 @@ class RollbackSupervisorCallback(TrainerCallback):
 
     # -- the Trainer's events ----------------------------------------------------------------------
 
+    @_user_errors
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
@@ -288,13 +214,19 @@ class RollbackSupervisorCallback(TrainerCallback):
         inner = _check_loader(base)
         _check_accumulation(args.gradient_accumulation_steps, len(inner))
         plan = load_plan(self.run_name, self.workdir, self.policy)
+        policy = load_session_policy(plan)
         config = {
             k: _param(v) for k, v in ({k: getattr(args, k, None) for k in CONFIG_ARGS} | self.config).items()
         }
+        # The Trainer's loop cannot be rewound from a callback (module docstring): the supervisor decides.
         core = TrainingCore(
-            plan, load_session_policy(plan), TrainingState(), config=config, run_name=self.run_name
+            plan,
+            policy,
+            TrainingState(),
+            config=config,
+            run_name=self.run_name,
+            in_process_rollback=False,
         )
-        core.rollback = _SupervisorDecides(core.rollback)  # type: ignore[assignment]
         self.core = core
         self._position = DataPosition(len(inner))
         trainer = _calling_trainer()
@@ -306,16 +238,7 @@ class RollbackSupervisorCallback(TrainerCallback):
         core.state.step = state.global_step
         core.state.epoch = self._position.epoch_of(self._position.batches)[0]
         if state.global_step:
-            if trainer is None:
-                raise TrainerSetupError(
-                    "RollbackSupervisorCallback: restored step "
-                    f"{state.global_step}, but no Trainer calls this callback (transformers "
-                    "5.24's Trainer is expected up the stack); call it from Trainer.train()"
-                )
-            # Taken before on_train_begin from the fresh TrainerState; see the module docstring.
-            trainer._globalstep_last_logged = state.global_step
-            trainer._initial_global_step = state.global_step
-            trainer._initial_num_input_tokens_seen = state.num_input_tokens_seen
+            _set_trainer_counters(trainer, state)
         self._wrap_loader(base, inner, args.seed)
         epoch, within = self._position.epoch_of(self._position.batches)
         log.info(
@@ -325,28 +248,18 @@ class RollbackSupervisorCallback(TrainerCallback):
             epoch,
             self._position.per_epoch,
         )
-        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-            log.info(
-                "save_strategy=%s: the Trainer also writes its own checkpoints to %s; the supervisor never "
-                "reads them (save_strategy='no' spares the disk)",
-                getattr(args.save_strategy, "value", args.save_strategy),
-                args.output_dir,
-            )
-        if args.logging_nan_inf_filter:
-            log.info(
-                "logging_nan_inf_filter is on: the Trainer logs a NaN loss as the previous average, so the "
-                "detectors see a NaN only in grad_norm"
-            )
+        _warn_about_args(args, state, policy)
         if state.max_steps and state.global_step >= state.max_steps:
-            # The Trainer would still run a step before it checks: end here, as a loop with nothing left does.
+            # The Trainer would still run a step before it checks: the order hands out no batch instead, so
+            # its loop ends without a step and train() returns (the user's save_model() after it runs).
             log.info(
-                "restored step %d is the last (max_steps %d): nothing to train",
+                "restored step %d is the last (max_steps %d): nothing to train; train() returns after the "
+                "final checkpoint",
                 state.global_step,
                 state.max_steps,
             )
-            self._finish(state.global_step)
-            self._close()
-            raise SystemExit(core.exit_code)
+            self._need_order().ended = True
+            control.should_training_stop = True
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -380,7 +293,9 @@ class RollbackSupervisorCallback(TrainerCallback):
         core.state.epoch = epoch
         core.log({"data.batch": float(self._step_start), "data.sample": float(self._step_sample)})
         self._ended = state.global_step
-        if not control.should_log:  # no training log for this step: decide now, on what we have
+        if self._save_may_be_due(state.global_step, control):
+            control.should_log = True  # the detectors see this step's loss before its checkpoint is written
+        if not control.should_log and not control.should_evaluate:  # nothing more to come: decide now
             self._decide(control)
 
     def on_log(
@@ -401,7 +316,14 @@ class RollbackSupervisorCallback(TrainerCallback):
             return
         core.log(numeric)
         self._metrics.update(numeric)
-        if "loss" in numeric and self._ended == state.global_step:
+        # With an evaluation due at this step, decide after it (on_evaluate), on its metrics too.
+        if "loss" in numeric and self._ended == state.global_step and not control.should_evaluate:
+            self._decide(control)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self._ended == state.global_step:
             self._decide(control)
 
     def on_epoch_end(
@@ -437,8 +359,15 @@ class RollbackSupervisorCallback(TrainerCallback):
         if isinstance(action, Stop):
             self._stop = action
             control.should_training_stop = True
-        elif isinstance(action, Rollback):  # the core was told to leave every anomaly to the supervisor
-            raise AssertionError(f"unexpected in-process rollback: {action}")
+
+    def _save_may_be_due(self, step: int, control: TrainerControl) -> bool:
+        """Whether `step` may be checkpointed: the last step (the final one), a stop's, or the cadence's."""
+        core = self._need()
+        return (
+            control.should_training_stop
+            or core.stopping() is not None
+            or core.decider.cadence.due(step, time.monotonic())
+        )
 
     def _finish(self, step: int) -> None:
         """The loop is over: the emergency checkpoint and the stop, or the final checkpoint."""
@@ -538,10 +467,73 @@ class RollbackSupervisorCallback(TrainerCallback):
             raise AssertionError("no data position after on_train_begin")
         return self._position
 
+    def _need_order(self) -> ResumableOrder:
+        if self._order is None:
+            self._need()
+            raise AssertionError("no resumable order after on_train_begin")
+        return self._order
+
 
 def _param(value: Any) -> Any:
     value = getattr(value, "value", value)  # the Trainer's string enums
     return value if value is None or isinstance(value, int | float | str | bool) else str(value)
+
+
+def _set_trainer_counters(trainer: Trainer | None, state: TrainerState) -> None:
+    """Set the Trainer's counters taken before `on_train_begin` to the restored state (module docstring)."""
+    import transformers
+
+    missing = [name for name in TRAINER_COUNTERS if trainer is None or not hasattr(trainer, name)]
+    if missing:
+        where = (
+            "no Trainer calls this callback"
+            if trainer is None
+            else f"the Trainer has no {', '.join(missing)}"
+        )
+        raise TrainerSetupError(
+            f"RollbackSupervisorCallback: restored step {state.global_step}, but {where} (transformers "
+            f"{transformers.__version__}); the callback supports transformers {SUPPORTED_TRANSFORMERS} called "
+            "from Trainer.train(): install a supported version"
+        )
+    for name, field in TRAINER_COUNTERS.items():
+        setattr(trainer, name, getattr(state, field))
+
+
+def _warn_about_args(args: TrainingArguments, state: TrainerState, policy: Policy) -> None:
+    """Warn, with what to set, about arguments that hide anomalies or cost without helping."""
+    every = policy.checkpoint.every_steps
+    logging_steps = state.logging_steps if _param(args.logging_strategy) == "steps" else None
+    if every and (logging_steps is None or logging_steps > every):
+        log.warning(
+            "logging_strategy=%s, logging_steps=%s, checkpoint.every_steps=%d: the detectors see the training "
+            "loss only at logged steps (the callback also logs every step it may checkpoint), so an anomaly "
+            "between them is seen up to %s steps late; set logging_steps <= %d to see it sooner",
+            _param(args.logging_strategy),
+            logging_steps,
+            every,
+            logging_steps or "many",
+            every,
+        )
+    if args.logging_nan_inf_filter:
+        log.warning(
+            "logging_nan_inf_filter=True (the Trainer's default) logs a NaN or inf loss as the running average, "
+            "so the detectors see a NaN only in grad_norm and a diverging loss not at all; set "
+            "logging_nan_inf_filter=False"
+        )
+    if _param(args.save_strategy) != "no":
+        log.warning(
+            "save_strategy=%s: the Trainer also writes its own checkpoints to %s (a pickled optimizer.pt, "
+            "kept without limit unless save_total_limit is set); the supervisor never reads them; set "
+            "save_strategy='no'",
+            _param(args.save_strategy),
+            args.output_dir,
+        )
+    if "mlflow" in (args.report_to or []):
+        log.warning(
+            "report_to includes 'mlflow': the Trainer's MLflowCallback opens a separate MLflow run in every "
+            "segment, while the supervisor logs every metric to the lineage's one run; set report_to='none' "
+            "(or leave 'mlflow' out)"
+        )
 
 
 def _check_args(args: TrainingArguments) -> None:

@@ -61,7 +61,8 @@ class TrainingCore:
     Under torchrun (`dist`) rank 0 writes checkpoints, metrics, the heartbeat and events; every rank
     restores what rank 0 names and applies the same plan. The in-process rollback is off there: every rank
     would need to agree on the target and read its own state back, so rank 0 reports the anomaly, every rank
-    stops (exit 76), and the supervisor relaunches all ranks with the plan.
+    stops (exit 76), and the supervisor relaunches all ranks with the plan. `in_process_rollback=False` does
+    the same in one process, for a driver whose loop cannot restart its data iterator (a framework's).
     """
 
     def __init__(
@@ -75,10 +76,12 @@ class TrainingCore:
         dist: Collective | None = None,
         clock: Callable[[], float] = time.monotonic,
         save_policy: SavePolicy | None = None,
+        in_process_rollback: bool = True,
     ):
         from policies import History
 
         self.plan, self.state = plan, state
+        self.in_process_rollback = in_process_rollback
         self.outcome = SegmentOutcome()
         self.resources = SegmentResources.for_plan(
             plan, policy, self.outcome.requests, config=config or {}, run_name=run_name, dist=dist
@@ -218,6 +221,16 @@ class TrainingCore:
 
     def _anomaly(self, event: Event, step: int) -> Action:
         """Roll back in process if the policy says so; else stop for the supervisor to decide."""
+        if not self.in_process_rollback:
+            log.warning(
+                "anomaly at step %d: %s; in-process rollback is off for this driver, so the supervisor decides "
+                "(exit %d)",
+                step,
+                event.reason,
+                exitcodes.EXIT_ANOMALY,
+            )
+            self.rollback.left_to_supervisor(event)
+            return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
         rolled = self.rollback.handle(self.resources.need_writer(), event, step)
         if rolled is None:
             return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
