@@ -120,6 +120,24 @@ class ShapesCNN(L.LightningModule):
         return DataLoader(Shapes(128, self.hparams.seed + 1), batch_size=64)
 
 
+class BatchCounter(L.Callback):
+    """A callback with state (the batches it has seen), logged every step as `batches`: a resume that lost
+    callbacks' state would show it restarting from 0. For the tests (`--batch-counter`)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.batches += 1
+        pl_module.log("batches", float(self.batches))
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = int(state["batches"])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
@@ -134,6 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also log through Lightning's MLFlowLogger (into the lineage's run under the supervisor)",
     )
+    p.add_argument("--batch-counter", action="store_true", help="add BatchCounter, a callback with state")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--workdir", type=Path, default=None, help="stand-alone run directory (default .rollback/)"
@@ -158,7 +177,10 @@ def build(args: argparse.Namespace) -> tuple[L.Trainer, ShapesCNN]:
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=5,  # for a Lightning logger (--mlflow-logger); the supervisor logs every step
-        callbacks=[RollbackSupervisor(workdir=args.workdir, policy=args.policy)],  # the one added line
+        callbacks=[
+            *([BatchCounter()] if args.batch_counter else []),
+            RollbackSupervisor(workdir=args.workdir, policy=args.policy),  # the one added line
+        ],
     )
     return trainer, model
 

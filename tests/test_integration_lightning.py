@@ -8,6 +8,7 @@ with it bit for bit, and the rollback by the dataset index of each step's first 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -31,7 +32,7 @@ STEPS = 48
 
 
 def command(steps: int = STEPS, *extra: str) -> list[str]:
-    return ["python", EXAMPLE, "--steps", str(steps), "--val-every", "20", *extra]
+    return ["python", EXAMPLE, "--steps", str(steps), "--val-every", "20", "--batch-counter", *extra]
 
 
 def final_state(checkpoints: Path, checkpoint_id: str) -> dict:
@@ -78,22 +79,24 @@ def uninterrupted(prefect_harness, work):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = record(work, "cli")
-    series = {key: live_series(mlflow_run(rec), key) for key in ("loss", "sample", "lr")}
+    series = {key: live_series(mlflow_run(rec), key) for key in ("loss", "sample", "lr", "batches")}
     return rec, final_state(Path(rec["storage"]["checkpoints"]), rec["final_checkpoint"]), series
 
 
 @pytest.fixture(scope="module")
 def faulted(uninterrupted, work):
-    """A NaN at step 11, SIGTERM at step 21 (mid-epoch 2), SIGKILL at step 35 (mid-epoch 3), one lineage.
+    """A NaN at step 11, SIGTERM at step 21 (mid-epoch 2), SIGKILL at step 43 (mid-epoch 3), one lineage.
 
     Its policy rolls the NaN back in process without a skip or an LR change, so the run can still end exactly
-    where the uninterrupted one did.
+    where the uninterrupted one did, and writes checkpoints synchronously, so the one at step 40 (mid-epoch 3)
+    is the newest committed when step 43 is killed.
     """
     policy = work.parent / "replay.yaml"
     policy.write_text(
         POLICY.read_text()
         .replace("skip_batches: 5", "skip_batches: 0")
         .replace("lr_scale: 0.5", "lr_scale: 1.0")
+        .replace("async: true", "async: false")
     )
     options = RunOptions(
         command=python_command(command()),
@@ -101,7 +104,7 @@ def faulted(uninterrupted, work):
         lineage="faulted",
         workdir=work,
         stop_grace_seconds=20,
-        env={"ROLLBACK_SUPERVISOR_FAULTS": "nan@11,term@21,kill@35"},
+        env={"ROLLBACK_SUPERVISOR_FAULTS": "nan@11,term@21,kill@43"},
         max_segments=5,
     )
     with LineageRunner(options, sleep=lambda s: None) as runner:
@@ -121,13 +124,17 @@ def test_sigkill_mid_epoch_then_relaunch_is_bit_identical(uninterrupted, faulted
     rec, final = faulted
     killed, last = rec["segments"][1:]
     assert killed["returncode"] == -9 and killed["event"]["type"] == "unknown_exit"
-    # The relaunch resumed from the newest checkpoint committed before the kill: step 32 (the second epoch's last
-    # batch) if its background write had committed, else 24 (mid-epoch); which one depends on the writer's pace.
-    assert last["restore"]["checkpoint_id"][:11] in ("0000000032-", "0000000024-")
+    # The relaunch resumed from the newest checkpoint committed before the kill: step 40, mid-epoch 3 (an epoch
+    # is 16 batches), written synchronously.
+    assert last["restore"]["checkpoint_id"].startswith("0000000040-") and last["start_step"] == 40
     assert last["outcome"] == "finished"
     assert_same_state(clean, final)
     resumed = live_series(mlflow_run(rec), "loss")
     assert [resumed[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
+    # BatchCounter's state_dict went through the checkpoint: after the relaunch it counts on from 40, not from 0.
+    counted = live_series(mlflow_run(rec), "batches")
+    assert [counted[s] for s in range(41, STEPS + 1)] == [float(s) for s in range(41, STEPS + 1)]
+    assert series["batches"][STEPS] == float(STEPS)
     # The comparison can fail: training moved the weights, and there is optimizer state to compare.
     import lightning_cnn
 
@@ -198,8 +205,12 @@ def test_nan_in_the_prefect_flow_rolls_back_in_process_skipping_5_batches_at_hal
     assert [lr[s] for s in range(31, STEPS + 1)] == [clean["lr"][s] * 0.5 for s in range(31, STEPS + 1)]
 
     # The Trainer's MLFlowLogger (lineage_mlflow_logger) wrote into the lineage's run, under its prefix.
+    # Every 5th of Lightning's logging steps (counted from 0), each once and finite: the thrown-away step 34
+    # (a NaN, logged at the target's step 29 before the fix) never reached it.
     client = MlflowClient(tracking_uri=result["tracking_uri"])
-    assert client.get_metric_history(result["mlflow_run_id"], "lightning-loss")
+    history = client.get_metric_history(result["mlflow_run_id"], "lightning-loss")
+    assert sorted(m.step for m in history) == list(range(4, STEPS, 5))
+    assert all(math.isfinite(m.value) for m in history)
 
 
 def test_stand_alone_script_runs_and_exits_0(tmp_path: Path, monkeypatch):
@@ -237,3 +248,85 @@ def test_a_plain_dataloader_is_refused_in_one_line_with_exit_2(tmp_path: Path, c
     assert "Traceback" not in err
     assert line.startswith("error: register('data'): a plain torch DataLoader with shuffle=True")
     assert not (tmp_path / "standalone").exists()  # nothing was started
+
+
+def refused(tmp_path: Path, capsys, monkeypatch, module, **trainer_kwargs) -> str:
+    """fit() a stand-alone example Trainer; it must end with exit 2 and one `error:` line, no traceback."""
+    import lightning_cnn
+
+    monkeypatch.delenv("ROLLBACK_SUPERVISOR_PLAN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    trainer = lightning_cnn.build(lightning_cnn.parse_args(["--steps", "2", "--workdir", str(tmp_path)]))[0]
+    with pytest.raises(SystemExit) as exited:
+        trainer.fit(module)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    return line
+
+
+def test_manual_optimization_is_refused(tmp_path: Path, capsys, monkeypatch):
+    """Several optimizer steps per batch would move trainer.global_step by more than 1: not supported yet
+    (several optimizers need manual optimization: Lightning refuses them under automatic optimization)."""
+    import lightning_cnn
+
+    class Manual(lightning_cnn.ShapesCNN):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    line = refused(tmp_path, capsys, monkeypatch, Manual())
+    assert line.startswith("error: RollbackSupervisor: Manual.automatic_optimization is False")
+    assert "not supported yet" in line
+    assert not (tmp_path / "standalone").exists()  # nothing was started
+
+
+def test_a_second_fit_with_the_same_callback_is_refused(tmp_path: Path, capsys, monkeypatch):
+    import lightning_cnn
+
+    monkeypatch.delenv("ROLLBACK_SUPERVISOR_PLAN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    trainer, model = lightning_cnn.build(
+        lightning_cnn.parse_args(["--steps", "2", "--val-every", "2", "--workdir", str(tmp_path)])
+    )
+    trainer.fit(model)
+    capsys.readouterr()
+    (run_dir,) = (tmp_path / "standalone").iterdir()
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(SystemExit) as exited:
+        trainer.fit(model)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "already supervised a trainer.fit()" in line
+    assert [p.name for p in (tmp_path / "standalone").iterdir()] == [run_dir.name]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # no step-0 checkpoint
+
+
+PLAIN_LOADER_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {examples!r})
+import lightning_cnn
+
+class PlainLoader(lightning_cnn.ShapesCNN):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(lightning_cnn.Shapes(64, 0), batch_size=16, shuffle=True)
+
+trainer = lightning_cnn.build(lightning_cnn.parse_args(["--steps", "4", "--workdir", {workdir!r}]))[0]
+trainer.fit(PlainLoader())
+"""
+
+
+def test_a_refusal_in_a_real_process_is_one_error_line_and_exit_2(tmp_path: Path):
+    """The process a user runs: exit code 2, one `error:` line on stderr, no traceback."""
+    script = PLAIN_LOADER_SCRIPT.format(examples=str(REPO / "examples"), workdir=str(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "ROLLBACK_SUPERVISOR_PLAN"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: register('data'): a plain torch DataLoader with shuffle=True")

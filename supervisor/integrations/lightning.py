@@ -3,29 +3,43 @@
 `RollbackSupervisor` drives a `TrainingCore` from Lightning's hooks, as `Session.loop()` does from its loop:
 
 - **State.** Our store, never Lightning's `.ckpt` files (nothing here reads them, so nothing is unpickled): the
-  LightningModule, every optimizer, LR scheduler and the precision plugin's grad scaler, the fit loop's
-  progress (so a resume lands mid-epoch, through Lightning's own restart logic), every RNG stream, and the
-  train loader's position. `train_dataloader()` must return one torchdata `StatefulDataLoader`
-  (`supervisor.data.ResumableLoader` is one); a plain `DataLoader` has no position and is refused.
+  LightningModule, the optimizer, LR schedulers and the precision plugin's grad scaler, the fit loop's
+  progress (so a resume lands mid-epoch, through Lightning's own restart logic), every RNG stream, the
+  train loader's position, every other callback's `state_dict()` (Timer, EarlyStopping, ModelCheckpoint), the
+  datamodule's `state_dict()` and what the module's `on_save_checkpoint()` adds (see `_ExtrasPart`).
+  `train_dataloader()` must return one torchdata `StatefulDataLoader` (`supervisor.data.ResumableLoader` is
+  one); a plain `DataLoader` has no position and is refused. With `enable_checkpointing=True` (Lightning's
+  default) Lightning still writes its own pickled `.ckpt` files: a warning at fit start says so; pass
+  `Trainer(enable_checkpointing=False)`.
 - **Saves** happen at the end of a training batch that stepped the optimizer, when the policy says so.
 - **Restore** at fit start, per the launch plan: its checkpoint (or the latest valid one), then the skip and
   the LR scale of every optimizer and scheduler. A skip moves the loop's batch counters along with the loader,
-  so the loop's epochs end where the loader's do (see `_TrainData`). Do not pass `ckpt_path` to `fit()`.
+  so the loop's epochs end where the loader's do (see `_TrainData`); with `accumulate_grad_batches=k` a skip
+  is rounded up to end on an optimizer-step boundary (logged). `fit(ckpt_path=...)` is refused, but only once
+  the callback runs: Lightning has already loaded (unpickled) that file by then, so do not pass it.
 - **Metrics** logged with `self.log` during a training step reach the core (the in-process detectors and the
-  lineage's MLflow run) at that step. Validation runs after the step's end, so its metrics are logged at that
-  step and join the next step's detectors and checkpoint metrics. A user's `MLFlowLogger` logs to the
-  lineage's run when built with `lineage_mlflow_logger()`.
+  lineage's MLflow run) at that step. Validation runs after the step's end (`on_train_batch_end`, where the
+  save decision is made), so metrics logged in validation after step k are logged to MLflow at step k but
+  reach the detectors with step k+1's metrics and are filed in the checkpoint of the first save at k+1 or
+  later: a checkpoint at step k+1 carries the val_loss of step k's weights, and a detector watching val_loss
+  sees step k's value at k+1. A user's `MLFlowLogger` logs to the lineage's run when built with
+  `lineage_mlflow_logger()`.
 - **In-process rollback.** The core rolls the state back (module, optimizers, schedulers, loop counters, RNG,
-  loader) at the end of a batch; the callback restarts the loop's iterator over the loader, and Lightning goes
-  on as if the restored batch had just ended.
+  loader, callbacks' state) at the end of a batch; the callback restarts the loop's iterator over the loader,
+  drops what the thrown-away batch logged (Lightning's loggers and callback metrics never see it, on-epoch
+  aggregates start over from the restored step), skips that batch's validation and ReduceLROnPlateau step,
+  and Lightning goes on as if the restored batch had just ended.
 - **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `fit()` ends with `SystemExit(75)`;
   SIGUSR2: `SystemExit(3)`; an anomaly left to the supervisor: `SystemExit(76)` (Lightning's own SIGTERM
   handling also ends `fit()` with a `SystemExit`). A run that finishes returns from `fit()` normally.
 
 Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does. Refused, with
-a message saying why: more than one process (the per-step agreement `Session` has under torchrun is not wired
-to Lightning's ranks), `reload_dataloaders_every_n_epochs`, and a `limit_train_batches` that cuts the loader's
-epochs short.
+a message saying why (one `error:` line, exit 2): more than one process (the per-step agreement `Session` has
+under torchrun is not wired to Lightning's ranks), manual optimization (not supported yet; so neither is more
+than one optimizer, which Lightning allows only there), `reload_dataloaders_every_n_epochs`, a
+`limit_train_batches` that cuts the loader's epochs short, a second `fit()` with the same callback, and a
+Lightning outside `lightning>=2.6,<2.7` whose loops lack a private attribute the callback drives (listed in
+`supervisor.integrations.lightning_loops`).
 """
 
 from __future__ import annotations
@@ -41,12 +55,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.loops import _Loop
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from supervisor import exitcodes
 from supervisor.data import loader_part
 from supervisor.errors import UserError
+from supervisor.flatten import flatten
+from supervisor.integrations.lightning_loops import (
+    aligned_skip,
+    check_private_apis,
+    count_skipped_batch,
+    discard_batch,
+    restart_data,
+    rng_kept,
+    settle_loops,
+    unpatch,
+)
 from supervisor.rng import capture_rng, restore_rng
 from supervisor.runtime.actions import Rollback, SaveDue, Stop
 from supervisor.runtime.core import TrainingCore
@@ -92,12 +116,22 @@ class RollbackSupervisor(Callback):
         self._rng_after_restore: dict[str, Any] | None = None
         self._signals = False
         self._closed = False
+        self._used = False  # one fit() per callback
 
     # -- fit start: build, register, restore --------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Set-up and restore refuse a user's mistake the same way: one `error:` line, exit 2, no traceback.
         with _user_errors():
-            _check_trainer(trainer)
+            if self._used:
+                raise LightningSetupError(
+                    "RollbackSupervisor: this callback already supervised a trainer.fit(); a second fit() would "
+                    "checkpoint the trained model as step 0 of a new segment; build a new Trainer and "
+                    "RollbackSupervisor for each fit()"
+                )
+            check_private_apis(trainer)
+            _check_trainer(trainer, pl_module)
+            _warn_lightning_checkpoints(trainer)
             # The loop builds the train loader now rather than at its start, so the restore below reaches it.
             trainer.fit_loop.setup_data()
             self._data = _TrainData(trainer, _train_loader(trainer))
@@ -105,18 +139,19 @@ class RollbackSupervisor(Callback):
             plan = load_plan(run_name, self.workdir, self.policy)
             config = self.config if self.config is not None else _hparams(pl_module)
             state = TrainingState()
+            self._used = True
             self.core = core = TrainingCore(
                 plan, load_session_policy(plan), state, config=config, run_name=run_name
             )
             self._closed = False
-            self._register(trainer, pl_module)
-        _check_mlflow_loggers(trainer, plan.run_id)
-        try:
-            info = core.restore()
-        except BaseException:
-            core.fail()
-            self._close()
-            raise
+            try:
+                self._register(trainer, pl_module)
+                _check_mlflow_loggers(trainer, plan.run_id)
+                info = core.restore()
+            except BaseException:
+                core.fail()
+                self._close()
+                raise
         if info is not None or core.plan.restore.skip_batches:
             # What the checkpoint's RNG streams hold, set again just before the first step (see on_train_start).
             self._rng_after_restore = capture_rng()
@@ -134,13 +169,24 @@ class RollbackSupervisor(Callback):
             core.register("scaler", scaler)
         core.register("loop", _FitLoopPart(trainer))
         core.register("data", self._data)
+        extras = _ExtrasPart(trainer, pl_module, self)
+        try:
+            flatten(
+                extras.state_dict(), "lightning"
+            )  # refused now, in one line, rather than at the first save
+        except UserError as exc:
+            raise LightningSetupError(
+                f"RollbackSupervisor: a callback's state_dict(), the datamodule's state_dict() or the "
+                f"LightningModule's on_save_checkpoint() holds a value the store cannot keep without pickle: {exc}"
+            ) from None
+        core.register("lightning", extras)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The loop is about to fetch its first batch: from the restored position, then SIGTERM is ours."""
         core = self.core
         assert core is not None
         if self._rng_after_restore is not None:
-            _restart_data(trainer, keep_fetched=False)  # the loop fetches from the loader's restored position
+            restart_data(trainer, keep_fetched=False)  # the loop fetches from the loader's restored position
             # The sanity check and the loop's set-up ran since the restore; the first step must draw exactly
             # what the interrupted run would have.
             restore_rng(self._rng_after_restore)
@@ -160,6 +206,7 @@ class RollbackSupervisor(Callback):
         core = self.core
         assert core is not None
         core.state.step = trainer.global_step + 1  # the step under way: the drill's faults are keyed by it
+        unpatch(trainer)  # a previous rollback's one-shot patch, if its batch ended early
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -188,8 +235,9 @@ class RollbackSupervisor(Callback):
         if isinstance(action, SaveDue):
             core.save(step, metrics)
         elif isinstance(action, Rollback):
-            _settle_loops(trainer.fit_loop)
-            _restart_data(trainer, keep_fetched=True)
+            settle_loops(trainer.fit_loop)
+            restart_data(trainer, keep_fetched=True)
+            discard_batch(trainer)  # the thrown-away batch's logs, validation and plateau step
             log.warning(
                 "in-process rollback to %s: Lightning resumes at step %d (skipped %d batches, lr x%g)",
                 action.target_id,
@@ -293,6 +341,46 @@ class _FitLoopPart:
         self._trainer.fit_loop.load_state_dict(state)
 
 
+class _ExtrasPart:
+    """What Lightning's own checkpoint would hold besides the module, optimizers and loops: every other
+    callback's `state_dict()` (by `state_key`: Timer, EarlyStopping, ModelCheckpoint, ...), the datamodule's
+    `state_dict()`, and what the LightningModule's `on_save_checkpoint(checkpoint)` adds to a checkpoint dict
+    (an EMA, a counter; `on_load_checkpoint` gets that dict back, without Lightning's own keys). Values must be
+    tensors, numbers, strings, bools, None, lists, tuples or dicts: the store never pickles."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ours: Callback):
+        self._trainer = trainer
+        self._module = pl_module
+        self._ours = ours
+
+    def _callbacks(self) -> list[Callback]:
+        return [cb for cb in self._trainer.callbacks if cb is not self._ours]
+
+    def state_dict(self) -> dict[str, Any]:
+        callbacks = {}
+        for cb in self._callbacks():
+            state = cb.state_dict()
+            if state:
+                callbacks[cb.state_key] = state
+        module: dict[str, Any] = {}
+        self._module.on_save_checkpoint(module)
+        datamodule = getattr(self._trainer, "datamodule", None)
+        out: dict[str, Any] = {"callbacks": callbacks, "module": module}
+        if datamodule is not None:
+            out["datamodule"] = datamodule.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("callbacks") or {}
+        for cb in self._callbacks():
+            if cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
+        datamodule = getattr(self._trainer, "datamodule", None)
+        if datamodule is not None and state.get("datamodule"):
+            datamodule.load_state_dict(state["datamodule"])
+        self._module.on_load_checkpoint(dict(state.get("module") or {}))
+
+
 class _TrainData:
     """The train loader's position (its registered form, `supervisor.data.loader_part`), and a skip that moves
     Lightning's loop along with it.
@@ -323,39 +411,23 @@ class _TrainData:
                 "skip; return a torchdata StatefulDataLoader (or supervisor.data.ResumableLoader) from "
                 "train_dataloader()"
             )
-        with _rng_kept():
+        aligned = aligned_skip(self._trainer, n)
+        if aligned != n:
+            log.warning(
+                "skipping %d batches instead of the plan's %d: Trainer(accumulate_grad_batches=%d) steps the "
+                "optimizer every %d batches, and a skip that ended between two steps would make the next step "
+                "accumulate fewer batches",
+                aligned,
+                n,
+                self._trainer.accumulate_grad_batches,
+                self._trainer.accumulate_grad_batches,
+            )
+            n = aligned
+        with rng_kept():
             skip(n)
         for _ in range(n):
-            _count_skipped_batch(self._trainer)
+            count_skipped_batch(self._trainer)
         self.batches_skipped += n
-
-
-def _count_skipped_batch(trainer: pl.Trainer) -> None:
-    """One batch fetched and not trained on, in the fit loop's counters (as they stand at a batch's end)."""
-    fit_loop = trainer.fit_loop
-    epoch_loop = fit_loop.epoch_loop
-    batches = epoch_loop.batch_progress
-    if batches.current.ready >= trainer.num_training_batches:  # the epoch's last batch is behind: next epoch
-        batches.increment_completed()
-        fit_loop.epoch_progress.increment_processed()
-        fit_loop.epoch_progress.increment_completed()
-        fit_loop.epoch_progress.increment_ready()
-        fit_loop.epoch_progress.increment_started()
-        batches.reset_on_run()
-        epoch_loop.scheduler_progress.reset_on_run()
-        epoch_loop.automatic_optimization.optim_progress.reset_on_run()
-        batches.increment_ready()
-        batches.increment_started()
-        batches.increment_processed()
-    else:
-        batches.increment_completed()
-        batches.increment_ready()
-        batches.increment_started()
-        batches.increment_processed()
-    batches.is_last_batch = batches.current.ready >= trainer.num_training_batches
-    if batches.is_last_batch:
-        # What the loop does after an epoch's last batch (before that batch's end): step the epoch schedulers.
-        epoch_loop.update_lr_schedulers("epoch", update_plateau_schedulers=False)
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -395,7 +467,13 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
-def _check_trainer(trainer: pl.Trainer) -> None:
+def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    if not pl_module.automatic_optimization:
+        raise LightningSetupError(
+            f"RollbackSupervisor: {type(pl_module).__name__}.automatic_optimization is False; manual optimization "
+            "is not supported yet (steps are told apart by trainer.global_step); use automatic optimization"
+        )
+    # More than one optimizer needs manual optimization: Lightning refuses it under automatic optimization.
     if trainer.world_size > 1:
         raise LightningSetupError(
             f"RollbackSupervisor: Trainer runs {trainer.world_size} processes; it supervises a single process "
@@ -411,6 +489,14 @@ def _check_trainer(trainer: pl.Trainer) -> None:
         raise LightningSetupError(
             f"RollbackSupervisor: trainer.fit(ckpt_path={trainer.ckpt_path!r}): the supervisor restores from its "
             "own checkpoint store per the launch plan; drop ckpt_path"
+        )
+
+
+def _warn_lightning_checkpoints(trainer: pl.Trainer) -> None:
+    if trainer.checkpoint_callbacks:
+        log.warning(
+            "Trainer(enable_checkpointing=True) (Lightning's default) also writes Lightning's own pickled .ckpt "
+            "files; the supervisor neither needs nor reads them: pass Trainer(enable_checkpointing=False)"
         )
 
 
@@ -449,28 +535,6 @@ def _train_loader(trainer: pl.Trainer) -> Any:
     return loader
 
 
-def _restart_data(trainer: pl.Trainer, *, keep_fetched: bool) -> None:
-    """Restart the fit loop's iterator over the train loader, from the loader's (restored) position."""
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None:
-        return
-    with _rng_kept():
-        iter(fetcher)
-    if keep_fetched:  # mid-epoch: the epoch loop counts what this epoch has fetched from here
-        fetcher.fetched = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-
-
-def _settle_loops(loop: _Loop) -> None:
-    """After an in-process restore: the loops go on from the restored counters, not through a restart."""
-    loop._restarting = False
-    loop._loaded_from_state_dict = False
-    loop._resuming_from_checkpoint = False
-    loop.reset_restart_stage()
-    for child in vars(loop).values():
-        if isinstance(child, _Loop):
-            _settle_loops(child)
-
-
 def _final(trainer: pl.Trainer, step: int) -> bool:
     if trainer.max_steps is not None and trainer.max_steps >= 0 and step >= trainer.max_steps:
         return True
@@ -497,16 +561,6 @@ def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:
 def _batch_len(batch: Any) -> int:
     first = batch[0] if isinstance(batch, list | tuple) and batch else batch
     return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
-
-
-@contextmanager
-def _rng_kept() -> Iterator[None]:
-    """Leave every global RNG stream as it was (a loader without a generator draws from torch's)."""
-    kept = capture_rng()
-    try:
-        yield
-    finally:
-        restore_rng(kept)
 
 
 @contextmanager
