@@ -11,7 +11,7 @@ from policies.monitor_schema import MonitorConfig
 from policies.targets import Target
 from supervisor.checkpoint.options import MEMORY_SLOTS, MEMORY_SLOTS_DOC
 from supervisor.events import EventType
-from supervisor.script.output import pattern_problem
+from supervisor.script.output import glob_regex, pattern_problem
 from supervisor.script.template import BUILTIN_FIELDS, ArgTemplate, TemplateError
 
 Mode = Literal["min", "max"]
@@ -232,7 +232,7 @@ class ScriptOutput(Spec):
         description="Regular expressions searched in every output line, first match wins. Each needs a named "
         "group `step` (an integer); every other named group is a metric of that step, e.g. "
         "`iter (?P<step>\\d+): loss (?P<loss>[^,\\s]+)`. Empty: metrics come only from the script's own "
-        "MLflow logging (the supervisor exports MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID).",
+        "MLflow logging, which joins the lineage's run (see `script.mlflow`).",
     )
 
     @field_validator("patterns")
@@ -242,6 +242,10 @@ class ScriptOutput(Spec):
             if (why := pattern_problem(pattern)) is not None:
                 raise problem(str(i), f"a regular expression with a named group `step` (this one {why})")
         return patterns
+
+
+#: Globs ending so default to `format: zip` (what torch.save writes, and Lightning's .ckpt).
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt")
 
 
 class ScriptCheckpoints(Spec):
@@ -270,18 +274,21 @@ class ScriptCheckpoints(Spec):
         None,
         examples=["out/meta.json"],
         description="With `step_from: sidecar`: a JSON or text file, relative to the working directory, that "
-        "the script writes with each checkpoint. Match it with `glob` too, so that it is restored with them.",
+        "the script writes with each checkpoint. `glob` must match it too, so that it is versioned and restored "
+        "with them.",
     )
     sidecar_key: str | None = Field(
         None,
         examples=["iter_num"],
         description="The key of the step in the sidecar's JSON object; null: the sidecar's whole text is the step.",
     )
-    format: Literal["opaque", "zip"] = Field(
-        "opaque",
+    format: Literal["opaque", "zip"] | None = Field(
+        None,
         description="`zip`: a file is versioned only once it reads as a whole zip archive with correct CRCs "
-        "(torch.save's format; nothing is unpickled), so a save cut short by a kill is never a version. "
-        "`opaque`: any bytes, versioned once unchanged for `settle_seconds`.",
+        "(torch.save's format; nothing is unpickled), so a save cut short by a kill is never a version; the "
+        "sidecar is exempt. `opaque`: any bytes, versioned once unchanged for `settle_seconds`. Null: `zip` when "
+        "the glob ends in .pt, .pth or .ckpt, else `opaque`. Set `opaque` for a .pt file that is not a zip "
+        "archive (torch.save with _use_new_zipfile_serialization=False).",
     )
     scan_seconds: float = Field(
         1.0, gt=0, allow_inf_nan=False, description="How often the files are checked while the script runs."
@@ -316,7 +323,22 @@ class ScriptCheckpoints(Spec):
             )
         if self.step_from == "sidecar" and self.sidecar is None:
             raise problem("sidecar", "the path of the sidecar file for step_from: sidecar")
+        if self.step_from == "sidecar" and self.sidecar is not None:
+            rel = self.sidecar.replace("\\", "/").removeprefix("./")
+            if not glob_regex(self.glob).match(rel):
+                raise problem(
+                    "sidecar",
+                    f"a path that glob {self.glob!r} matches, so that the sidecar is versioned and put back with "
+                    "the checkpoint it names the step of (widen the glob, e.g. `out/*`)",
+                    self.sidecar,
+                )
         return self
+
+    def file_format(self) -> Literal["opaque", "zip"]:
+        """`format`, or its default: `zip` for a glob ending in torch.save's suffixes, else `opaque`."""
+        if self.format is not None:
+            return self.format
+        return "zip" if self.glob.endswith(TORCH_SUFFIXES) else "opaque"
 
 
 class ScriptRelaunch(Spec):
@@ -378,6 +400,28 @@ class ScriptConfig(Spec):
     relaunch: ScriptRelaunch = Field(
         default_factory=ScriptRelaunch, description="The arguments that make the script resume."
     )
+    mlflow: Literal["join", "off"] | None = Field(
+        None,
+        description="`join`: MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID are exported, so the "
+        "script's own `mlflow.start_run()` logs into the lineage's run. Two traps: a script that calls "
+        "`mlflow.set_experiment(...)` before `start_run()` fails (the active experiment does not match the run "
+        "the environment names), and one that logs a parameter whose value changes on a relaunch (a scaled "
+        "learning rate) raises, MLflow params being immutable. `off`: nothing is exported; the script's MLflow "
+        "calls go where they would without us (YAML's unquoted `off` reads as false, taken as `off`). Null: "
+        "`off` when output.patterns are given, else `join`.",
+    )
+
+    @field_validator("mlflow", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: object) -> object:
+        # YAML 1.1 reads an unquoted `off` as false: take it as the word the user wrote.
+        return "off" if value is False else value
+
+    def mlflow_mode(self) -> Literal["join", "off"]:
+        """`mlflow`, or its default: `off` when metrics are read from the output, else `join`."""
+        if self.mlflow is not None:
+            return self.mlflow
+        return "off" if self.output.patterns else "join"
 
     @model_validator(mode="after")
     def _steps_readable(self) -> ScriptConfig:

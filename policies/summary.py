@@ -181,12 +181,19 @@ def _script(policy: Policy) -> list[str]:
         "sidecar": f"the step in {files.sidecar}"
         + (f" (key {files.sidecar_key})" if files.sidecar_key else ""),
     }[files.step_from]
-    whole = "read as whole zip archives, " if files.format == "zip" else ""
+    whole = "read as whole zip archives, " if files.file_format() == "zip" else ""
+    if s.mlflow_mode() == "join":
+        mlflow = (
+            "MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID are exported (script.mlflow: join), so "
+            "the script's own mlflow.start_run() logs into the lineage's run (it must not call set_experiment, "
+            "nor log a parameter that changes on a relaunch)"
+        )
+    else:
+        mlflow = "MLflow's variables are not exported (script.mlflow: off)"
     args = s.relaunch.args if isinstance(s.relaunch.args, str) else " ".join(s.relaunch.args)
     values = ", ".join(f"{k} = {v:g}" for k, v in s.relaunch.values.items())
     return [
-        f"  Metrics: {metrics}; MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID and MLFLOW_RUN_ID are exported, so "
-        "the script's own mlflow.start_run() logs into the lineage's run.",
+        f"  Metrics: {metrics}; {mlflow}.",
         f"  Checkpoint files: {files.glob} under the command's working directory, checked every "
         f"{files.scan_seconds:g} s and versioned once {whole}unchanged for {files.settle_seconds:g} s; a "
         f"version's step is {step}.",

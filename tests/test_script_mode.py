@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,10 +23,14 @@ from supervisor.checkpoint.blobs import tensor_digest
 from supervisor.checkpoint.retention import policy_from_settings
 from supervisor.cli import main
 from supervisor.errors import CheckpointCorrupt
+from supervisor.launcher import LaunchSpec, LocalLauncher
 from supervisor.monitor import DetectorSet, build_detectors
+from supervisor.runtime.plan import RestoreSpec
 from supervisor.script import opaque
-from supervisor.script.files import ScriptFiles, glob_regex
+from supervisor.script.files import EMPTY_SCANS, PENDING_SCANS, ScriptFiles, glob_regex
+from supervisor.script.mode import ScriptMode, SegmentPaths
 from supervisor.script.output import OutputParser, Parsed, pattern_problem
+from supervisor.script.scanner import ExitWatch, FileScanner
 from supervisor.script.steps import NameStep, OutputStep, SidecarStep
 from supervisor.script.tap import OutputTap
 from supervisor.script.template import ArgTemplate, TemplateError
@@ -514,3 +519,196 @@ def test_the_nanogpt_example_policy_loads_and_honours_every_key_it_sets(capsys):
     out = capsys.readouterr().out
     assert "unsupported" not in out.lower()
     assert "scale the learning rate by 0.5" in out and "Relaunch: the command plus --init_from=resume" in out
+    # The command in the header saves where the glob looks (the config's own out_dir is out-shakespeare-char).
+    text = example.read_text()
+    (out_dir,) = set(re.findall(r"--out_dir=(\w+)", text.split("version: 1")[0]))
+    glob = parse_policy(text, str(example)).script.checkpoints.glob
+    assert glob_regex(glob).match(f"{out_dir}/ckpt.pt")
+
+
+# -- review fixes: own files, torn saves, MLflow variables, sidecars, stalls, metrics at a version's step ------
+
+OWN_FILES_POLICY = f"""\
+version: 1
+name: own
+rules:
+  - when: [unknown_exit]
+    action: resume
+script:
+  output: {{patterns: ['{NANOGPT}']}}
+  checkpoints: {{glob: '**/*.safetensors', settle_seconds: 0}}
+"""
+
+
+def test_the_supervisors_own_files_are_never_versioned_and_a_restore_touches_none(tmp_path):
+    """A `**` glob, with run's default work directory (.rollback) under the script's working directory."""
+    root, workdir = tmp_path / "run", tmp_path / "run" / ".rollback"
+    lineage, store = workdir / "lineages" / "L", workdir / "checkpoints" / "L"
+    mode = ScriptMode(parse_policy(OWN_FILES_POLICY, "p.yaml"), "p.yaml", store, cwd=str(root))
+    paths = SegmentPaths(lineage / "metrics" / "0.jsonl", lineage / "heartbeat.json", lineage / "faults.json")
+    mode._exclude_own(paths, {"MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
+    own = [
+        lineage / "x.safetensors",
+        workdir / "mlartifacts" / "y.safetensors",
+        workdir / "mlflow.db.safetensors",
+    ]
+    for path in own:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"ours")
+    model = root / "model.safetensors"
+    files = mode._files(mode._steps(None))
+    files._clock = Clock(1e12)
+    with files:
+        ids = []
+        for value in (1.0, 2.0):
+            _save(model, value, 0)
+            for _ in range(3):  # a scan never versions the blobs the previous one wrote into the store
+                ids += files.scan()
+        assert len(ids) == 2 and set(files.matches()) == {"model.safetensors"}
+        blobs = {p: p.read_bytes() for p in store.rglob("*") if p.is_file()}
+        assert any(p.suffix == ".safetensors" for p in blobs)
+        # A snapshot restore removes the matched files newer than the version: none of the store's.
+        files.restore(ids[0], rollback=True)
+    stored = {p: raw for p, raw in blobs.items() if p.suffix == ".safetensors"}
+    assert {p: p.read_bytes() for p in stored} == stored
+    assert all(p.read_bytes() == b"ours" for p in own)
+    catalog = open_store(store)
+    assert [sorted(catalog.manifest(i).tensors) for i in ids] == [["model.safetensors"]] * 2
+
+
+TORN_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+store, ckpt = Path(sys.argv[1]), Path("ckpt.bin")
+ckpt.write_bytes(b"A" * 100_000)  # a whole save
+while not any(store.glob("ckpt-*")):  # until the supervisor has versioned it
+    time.sleep(0.01)
+with open(ckpt, "wb") as f:  # the next save, in place, cut short by a kill
+    f.write(b"B" * 5000)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_version_latest(tmp_path):
+    root, store = tmp_path / "run", tmp_path / "store"
+    root.mkdir()
+    files = ScriptFiles(root, "*.bin", store, OutputStep(lambda when: 7), settle_seconds=0.05)  # opaque
+    watch = ExitWatch(LocalLauncher())
+    scanner = FileScanner(files.open(), 0.02, lambda step: {}, clean=watch.clean)
+    handle = watch.start(LaunchSpec((sys.executable, "-c", TORN_SCRIPT, str(store)), cwd=str(root)))
+    scanner.start()
+    info = handle.wait(timeout=60)
+    scanner.drain()  # the final scan, after the kill: the torn file changed since the last scan
+    assert info.returncode == -signal.SIGKILL and not watch.clean()
+    catalog = open_store(store)
+    (only,) = catalog.list()
+    out = tmp_path / "restored"
+    with open(out, "wb") as f:
+        ref = catalog.manifest(only.id).tensors["ckpt.bin"]
+        opaque.read_blob(catalog.confined(ref.blob), ref.key, f.fileno())
+    assert out.read_bytes() == b"A" * 100_000 and (root / "ckpt.bin").read_bytes() == b"B" * 5000
+    # The same final scan after a clean exit versions what the script left (so the test above can fail).
+    with ScriptFiles(root, "*.bin", store, OutputStep(lambda when: 8), settle_seconds=60) as again:
+        assert again.scan(final=True, clean=False) == [] and len(again.scan(final=True, clean=True)) == 0
+        (root / "ckpt.bin").write_bytes(b"C" * 10)
+        assert again.scan(final=True, clean=False) == [] and len(again.scan(final=True)) == 1
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "expected"),
+    [
+        ("{glob: out/ckpt.pt}", "zip"),
+        ("{glob: 'out/*.pth'}", "zip"),
+        ("{glob: 'lightning_logs/**/*.ckpt'}", "zip"),
+        ("{glob: 'out/*.bin'}", "opaque"),
+        ("{glob: out/ckpt.pt, format: opaque}", "opaque"),
+    ],
+)
+def test_format_defaults_to_zip_for_torch_save_suffixes(checkpoints, expected):
+    section = f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {checkpoints}\n"
+    assert parse_policy(BASE + section, "p.yaml").script.checkpoints.file_format() == expected
+
+
+def _segment_env(tmp_path: Path, section: str) -> dict[str, str]:
+    mode = ScriptMode(parse_policy(BASE + section, "p.yaml"), "p.yaml", tmp_path / "store", cwd=str(tmp_path))
+    lineage = tmp_path / "w" / "lineages" / "L"
+    paths = SegmentPaths(lineage / "0.jsonl", lineage / "heartbeat.json", lineage / "faults.json")
+    env = {
+        "MLFLOW_TRACKING_URI": "sqlite:////nowhere/mlflow.db",
+        "MLFLOW_EXPERIMENT_ID": "1",
+        "MLFLOW_RUN_ID": "r",
+    }
+    return mode.segment(0, RestoreSpec(), ("python", "t.py"), paths, env, None).env
+
+
+def test_the_mlflow_variables_are_exported_only_with_script_mlflow_join(tmp_path):
+    with_patterns = f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt}}\n"
+    without = "  checkpoints: {glob: 'c/step_*.pt', step_from: name, step_pattern: 'step_(?P<step>\\d+)'}\n"
+    assert _segment_env(tmp_path, with_patterns) == {}  # default off: set_experiment and log_param stay safe
+    joined = {
+        "MLFLOW_TRACKING_URI": "sqlite:////nowhere/mlflow.db",
+        "MLFLOW_EXPERIMENT_ID": "1",
+        "MLFLOW_RUN_ID": "r",
+    }
+    assert _segment_env(tmp_path, without) == joined  # default join: the script's MLflow is the only source
+    assert _segment_env(tmp_path, with_patterns + "  mlflow: join\n") == joined
+    assert _segment_env(tmp_path, without + "  mlflow: 'off'\n") == {}
+    assert _segment_env(tmp_path, without + "  mlflow: off\n") == {}  # YAML's false
+
+
+def test_a_sidecar_is_never_zip_checked(tmp_path):
+    root = tmp_path / "run"
+    sidecar = SidecarStep(root / "out" / "meta.json", "iter_num")
+    with ScriptFiles(
+        root, "out/*", tmp_path / "store", sidecar, settle_seconds=0, zip_check=True, sidecar="out/meta.json"
+    ) as files:
+        _save(root / "out" / "model.pt", 1.0, 0)
+        (root / "out" / "meta.json").write_text(json.dumps({"iter_num": 40}))
+        (cid,) = files.scan(final=True)
+        (root / "out" / "model.pt").write_bytes(b"torn")  # the checkpoint itself is still checked
+        (root / "out" / "meta.json").write_text(json.dumps({"iter_num": 50}))
+        assert files.scan(final=True) == []
+    assert sorted(open_store(tmp_path / "store").manifest(cid).tensors) == ["out/meta.json", "out/model.pt"]
+
+
+def test_a_sidecar_the_glob_does_not_match_is_a_policy_error_with_exit_2(tmp_path, capsys):
+    section = "  checkpoints: {glob: 'out/*.pt', step_from: sidecar, sidecar: out/meta.json, sidecar_key: iter_num}\n"
+    with pytest.raises(PolicyError) as err:
+        parse_policy(BASE + section, "p.yaml")
+    assert str(err.value).startswith(
+        "p.yaml:10:64: script.checkpoints.sidecar: expected a path that glob 'out/*.pt' matches"
+    ), str(err.value)
+    assert str(err.value).endswith('got "out/meta.json"')
+    bad = tmp_path / "p.yaml"
+    bad.write_text(BASE + section)
+    assert main(["policy", "explain", str(bad)]) == 2
+    assert "script.checkpoints.sidecar" in capsys.readouterr().err
+
+
+def test_a_file_pending_for_scans_and_a_glob_matching_nothing_are_warned_about(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, [5], settle_seconds=3600.0) as files:
+        for _ in range(EMPTY_SCANS):
+            assert files.scan() == []
+        assert caplog.text.count("has matched no file under") == 1
+        _save(ckpt, 1.0, 5)
+        for _ in range(PENDING_SCANS + 3):
+            assert files.scan() == []  # never settles
+    assert caplog.text.count(f"out/ckpt.pt has been pending for {PENDING_SCANS} scans") == 1
+
+
+def test_a_version_takes_the_metrics_printed_by_its_own_step(tmp_path):
+    clock = Clock()
+    tap = OutputTap(OutputParser([NANOGPT]), clock=clock)
+    for step, loss in ((9, "0.5"), (10, "0.4"), (11, "nan")):
+        clock.now += 1
+        tap("stdout", f"iter {step}: loss {loss}")
+    assert tap.metrics_at(8) == {} and tap.metrics_at(10) == {"loss": 0.4} and tap.latest()["loss"] != 0.4
+    ckpt = tmp_path / "run" / "out" / "ckpt.pt"
+    with _files(tmp_path, [10]) as files:  # labelled step 10; the scan runs after step 11 printed NaN
+        _save(ckpt, 1.0, 10)
+        (cid,) = files.scan(final=True, metrics=tap.metrics_at)
+        (info,) = files.catalog.list()
+    assert info.id == cid and info.healthy and info.metrics == {"loss": 0.4}

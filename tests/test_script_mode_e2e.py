@@ -19,6 +19,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from policies import load_policy
+from supervisor.checkpoint import open_store
+from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE
+from supervisor.checkpoint.options import parse_id
 from supervisor.drill import judge
 from supervisor.errors import PolicyError
 from supervisor.orchestrator import LineageRunner, RunOptions
@@ -96,15 +99,30 @@ def _version_state(workdir: Path, lineage: str, checkpoint_id: str, tmp_path: Pa
 
 def test_a_real_divergence_is_rolled_back_and_relaunched_with_the_lr_scaled(workdir, caplog):
     caplog.set_level("WARNING", logger="rollback_supervisor")
+    caplog.set_level("INFO", logger="rollback_supervisor.script")
     record, lines = _supervise(_options(workdir, "diverge", DIVERGING))
     first, second = record.segments
     # Detected from the printed loss, stopped, and decided by the policy engine over the versioned ckpt.pt.
     assert first.event["type"] in ("divergence", "non_finite") and first.outcome == "rollback"
     onset = first.event["onset_step"]
     decision = first.decision
-    assert decision["action"] == "rollback" and decision["target_step"] <= onset - 55
-    # The script resumed from its own file, put back in place: at least 50 iterations before the onset.
+    # The target is the newest healthy version of the first segment labelled at or before onset - lookback (55):
+    # not too late, and not any older one either.
+    messages = [r.getMessage() for r in caplog.records]
+    put_back = next(i for i, m in enumerate(messages) if m.startswith("Put out/ckpt.pt back from checkpoint"))
+    versions = [
+        (int(m.group(2)), m.group(1))
+        for text in messages[:put_back]
+        if (m := re.match(r"Versioned out/ckpt.pt as checkpoint (\S+) \(step (\d+),", text))
+        and "unhealthy" not in text
+    ]
+    expected_step, expected_id = max(v for v in versions if v[0] <= onset - 55)
+    assert decision["action"] == "rollback"
+    assert (decision["target_step"], decision["target_id"]) == (expected_step, expected_id), versions
+    # The script resumed from that version, put back in place: the save a label names was written after the
+    # line of the step before (a label errs late, never early), so before the next save's (save_interval 10).
     resumed = _resumed_at(_segment_log(workdir, "diverge", 1))
+    assert resumed % 10 == 0 and resumed <= expected_step + 1 < resumed + 10
     assert resumed <= onset - 50
     # Relaunched with the template: --learning_rate={lr * lr_scale} = 2.0 x 0.25; the script printed it.
     assert second.extra["command"][2:] == [*DIVERGING, "--init_from=resume", "--learning_rate=0.5"]
@@ -138,11 +156,27 @@ def test_the_drills_external_faults_resume_from_the_scripts_own_file_bit_for_bit
     assert [s.outcome for s in record.segments] == ["resume", "resume", "resume", "finished"]
     assert [s.event["type"] for s in record.segments[:3]] == ["unknown_exit", "preemption", "hang"]
     assert [s.returncode for s in record.segments[:2]] == [-signal.SIGKILL, -signal.SIGTERM]
+    catalog = open_store(workdir / "checkpoints" / "drill")
+    segment_of = {
+        info.id: json.loads(catalog.read(f"{CKPT_PREFIX}{info.id}/{STATE}"))["segment"]
+        for info in catalog.list()
+    }
     for index, seg in enumerate(record.segments[:3]):
-        # Each relaunch resumed from the newest version of ckpt.pt, which is the script's own latest file.
+        # Each relaunch resumed from the newest version taken up to the fault (the last one of its segment):
+        # the script's own latest whole file, not an older one.
+        newest = max((cid for cid, s in segment_of.items() if s <= index), key=lambda cid: parse_id(cid)[1])
+        assert seg.decision["target_id"] == newest
         resumed = _resumed_at(_segment_log(workdir, "drill", index + 1))
-        saved = _version_state(workdir, "drill", seg.decision["target_id"], tmp_path)
+        saved = _version_state(workdir, "drill", newest, tmp_path)
         assert resumed == saved["iter_num"] and resumed % 10 == 0
+        assert (
+            resumed <= parse_id(newest)[0] + 1 < resumed + 10
+        )  # its label: the step printed before the save
+        # ... and the script had not got past its next save (save_interval 10) when the fault hit it.
+        printed = [
+            int(n) for n in re.findall(r"^stdout: iter (\d+):", _segment_log(workdir, "drill", index), re.M)
+        ]
+        assert resumed <= max(printed) + 1 < resumed + 2 * 10
         assert record.segments[index + 1].extra["command"][-2:] == [
             "--init_from=resume",
             "--learning_rate=0.3",

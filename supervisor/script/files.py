@@ -3,11 +3,19 @@
 The script writes its files where and when it likes (nanoGPT overwrites `out/ckpt.pt` in place, non-atomically).
 `scan()` finds the files matching the glob under the script's working directory and versions each new or
 changed one once it has settled (unchanged since the previous scan and `settle_seconds` old, or the script has
-exited), as a checkpoint of the store: each file's bytes are one opaque blob (`opaque.py`), checksummed, and
+exited with status 0 by itself; after a signal or a non-zero exit, a file still changing is a save cut short
+and is not versioned), as a checkpoint of the store: each file's bytes are one opaque blob (`opaque.py`), checksummed, and
 the commit is the store's (`LocalStore.commit`: staged, renamed, marker last), so a commit cut short leaves the
 store as it was, and the next open removes what it staged. Retention is the policy's (`keep_last`, ...),
 deletions logged with their reason. A file whose bytes the store already holds is referenced, not copied again,
 and a scan that finds the same bytes as the newest version commits nothing.
+
+The supervisor's own files are never matched, whatever the glob: the store, and the `exclude` paths (the
+work directory, the lineage directory, the MLflow sqlite file) when they lie under the working directory. A
+`**` glob with the work directory under the working directory would otherwise version the store's own blobs.
+
+A file that stays pending (changing, or its step unknown) for `PENDING_SCANS` scans, and a glob that has
+matched nothing for `EMPTY_SCANS` scans, are each warned about once per segment.
 
 What a version holds depends on the step rule (`steps.py`): with steps from file names, each step is its own
 version (the files whose names carry it); otherwise a version is a snapshot of every matched file.
@@ -26,12 +34,11 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import stat
 import time
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,7 @@ from supervisor.checkpoint.paths import name_leaves
 from supervisor.checkpoint.retention import RetentionPolicy, apply_retention
 from supervisor.errors import CheckpointCorrupt, CheckpointError
 from supervisor.script import opaque
+from supervisor.script.output import glob_regex
 from supervisor.script.steps import StepRule
 
 log = logging.getLogger("rollback_supervisor.script")
@@ -56,6 +64,10 @@ log = logging.getLogger("rollback_supervisor.script")
 TMP_SUFFIX = ".rollback-supervisor-tmp"
 #: state.json of a version says what it is.
 KIND = "script-files"
+#: Scans a matched file may stay pending (changed, not versioned) before a warning says so.
+PENDING_SCANS = 5
+#: Scans with no file matching the glob before a warning says so.
+EMPTY_SCANS = 10
 
 
 @dataclass(frozen=True)
@@ -90,32 +102,6 @@ class Restored:
     notes: dict[str, Any]
 
 
-def glob_regex(pattern: str) -> re.Pattern[str]:
-    """A regex matching the relative paths `Path.glob(pattern)` matches (`**` any depth, `*` within a name)."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern.startswith("**/", i):
-            out.append("(?:[^/]+/)*")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif pattern[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pattern[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
-            body = pattern[i + 1 : end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-            i = end + 1
-        else:
-            out.append(re.escape(pattern[i]))
-            i += 1
-    return re.compile("".join(out) + r"\Z")
-
-
 class ScriptFiles:
     """Versions the files matching `glob` under `root` into the store at `store_dir` (see module docstring)."""
 
@@ -132,6 +118,8 @@ class ScriptFiles:
         known: KnownFiles | None = None,
         notes: Mapping[str, Any] | None = None,
         parent_id: str | None = None,
+        exclude: Sequence[Path | str] = (),
+        sidecar: str | None = None,
         clock: Callable[[], float] = time.time,
     ):
         self.root, self.glob, self.store_dir = Path(root), glob, Path(store_dir)
@@ -147,6 +135,12 @@ class ScriptFiles:
         )
         self._clock = clock
         self._matcher = glob_regex(glob)
+        self._excluded = _under(self.root, [self.store_dir, *exclude])
+        self.sidecar = sidecar  #: the sidecar's relative path: a few bytes of text, never zip-checked
+        self._pending: dict[str, int] = {}  # rel -> scans it has been pending without a version
+        self._warned_pending: set[str] = set()
+        self._scans = 0
+        self._ever_matched = False
         self._store: LocalStore | None = None
         self._index: dict[str, tuple[TensorRef, FileEntry]] = {}  # digest -> a stored blob holding it
         self._newest: dict[int | None, tuple[str, dict[str, str]]] = {}  # group -> (id, {rel: digest})
@@ -224,12 +218,19 @@ class ScriptFiles:
 
     # -- scanning -------------------------------------------------------------------------------
 
+    def excluded(self, rel: str) -> bool:
+        """Whether `rel` is one of the supervisor's own files (the store, the work directory, ...)."""
+        for p in self._excluded:
+            if rel.startswith(p[:-1]) if p.endswith("*") else rel == p or rel.startswith(p + "/"):
+                return True
+        return False
+
     def matches(self) -> dict[str, Signature]:
-        """Every regular file matching the glob, by path relative to the root."""
+        """Every regular file matching the glob, by path relative to the root, but the supervisor's own."""
         found = {}
         for path in self.root.glob(self.glob):
             rel = path.relative_to(self.root).as_posix()
-            if rel.endswith(TMP_SUFFIX):
+            if rel.endswith(TMP_SUFFIX) or self.excluded(rel):
                 continue
             try:
                 st = os.lstat(path)
@@ -239,36 +240,85 @@ class ScriptFiles:
                 found[rel] = Signature.of(st)
         return found
 
-    def scan(self, *, final: bool = False, metrics: Mapping[str, float] | None = None) -> list[str]:
-        """Version what changed and has settled (`final`: the script has exited, everything has); new ids.
+    def scan(
+        self,
+        *,
+        final: bool = False,
+        clean: bool = True,
+        metrics: Mapping[str, float] | Callable[[int], Mapping[str, float]] | None = None,
+    ) -> list[str]:
+        """Version what changed and has settled; the new ids.
 
-        `metrics` are the values the script printed last; a version taken while one of them is NaN or infinite
-        is marked unhealthy (never a resume or rollback target unless `checkpoint.allow_nonfinite`).
+        `final`: the script has exited. With `clean` (status 0, no signal) everything it left has settled;
+        otherwise (a signal, a non-zero exit) a file that changed since the previous scan, or is younger than
+        `settle_seconds`, may be a save cut short: it is not versioned, and the newest version stays the last
+        whole one. `metrics`: the values printed by a version's step (a function of the step), or the last
+        values printed; a version whose metrics include a NaN or an infinity is marked unhealthy (never a
+        resume or rollback target unless `checkpoint.allow_nonfinite`).
         """
         now = self._clock()
         found = self.matches()
+        self._scans += 1
+        self._ever_matched = self._ever_matched or bool(found)
         changed: dict[str, Signature] = {}
         waiting: set[str] = set()
         for rel, sig in found.items():
             held = self.known.get(rel)
             if (held is not None and held[0] == sig) or self._skipped.get(rel) == sig:
+                self._pending.pop(rel, None)
                 continue
-            settled = final or (self._seen.get(rel) == sig and now - sig.mtime >= self.settle_seconds)
+            quiet = self._seen.get(rel) == sig and now - sig.mtime >= self.settle_seconds
+            settled = (final and clean) or quiet
             self._seen[rel] = sig
             if settled:
                 changed[rel] = sig
             else:
                 waiting.add(rel)
+                if final:
+                    log.warning(
+                        "%s not versioned: it changed %.2f s before the script ended by a signal or a non-zero "
+                        "exit, and may be a save cut short; the newest version stays the last whole one",
+                        rel,
+                        now - sig.mtime,
+                    )
         committed = []
         for group, members in self._groups(found).items():
             todo = [rel for rel in members if rel in changed]
             if todo and not any(rel in waiting for rel in members):
-                cid = self._version(group, members, found, todo, final, dict(metrics or {}))
+                cid = self._version(group, members, found, todo, final, metrics)
                 if cid is not None:
                     committed.append(cid)
         if committed:
             self._retain()
+        self._warn_stalled(found, changed, waiting)
         return committed
+
+    def _warn_stalled(
+        self, found: Mapping[str, Signature], changed: Mapping[str, Any], waiting: set[str]
+    ) -> None:
+        """Warn once about a file pending for `PENDING_SCANS` scans, and a glob matching nothing."""
+        for rel in [*changed, *waiting]:
+            if rel in self.known and self.known[rel][0] == found[rel]:
+                self._pending.pop(rel, None)
+                continue
+            count = self._pending[rel] = self._pending.get(rel, 0) + 1
+            if count == PENDING_SCANS and rel not in self._warned_pending:
+                self._warned_pending.add(rel)
+                log.warning(
+                    "%s has been pending for %d scans with no version taken (still being written, or its step "
+                    "cannot be told); raise script.checkpoints.scan_seconds above the script's save time, or check "
+                    "step_from",
+                    rel,
+                    count,
+                )
+        if self._scans == EMPTY_SCANS and not self._ever_matched:
+            log.warning(
+                "script.checkpoints.glob %r has matched no file under %s after %d scans; is it relative to the "
+                "command's working directory, and does the script save there?",
+                self.glob,
+                self.root,
+                self._scans,
+            )
 
     def _groups(self, found: Mapping[str, Signature]) -> dict[int | None, list[str]]:
         if not self.steps.per_file:
@@ -287,10 +337,12 @@ class ScriptFiles:
         found: Mapping[str, Signature],
         todo: list[str],
         final: bool,
-        metrics: dict[str, float],
+        metrics_at: Mapping[str, float] | Callable[[int], Mapping[str, float]] | None,
     ) -> str | None:
         """Commit the files of one group as a new version; None when it waits, or nothing changed."""
         for rel in todo:
+            if rel == self.sidecar:
+                continue  # a few bytes of JSON or text beside the checkpoint, not an archive
             if self.zip_check and (why := _zip_problem(self.root / rel)):
                 self._skipped[rel] = found[rel]
                 log.warning("%s is not versioned: not a whole zip archive (%s); a save cut short?", rel, why)
@@ -302,6 +354,8 @@ class ScriptFiles:
                     "%s not versioned: its step could not be told when the script exited", ", ".join(todo)
                 )
             return None
+        raw = metrics_at(step) if callable(metrics_at) else metrics_at
+        metrics = dict(raw or {})
         store = self._open_store()
         cid = make_id(step, self._seq + 1)
         staged = store.stage(cid)
@@ -332,7 +386,7 @@ class ScriptFiles:
             self._index.setdefault(ref.digest, (ref, files[ref.blob]))
         self._newest[group] = (cid, digests)
         self._remember(members, found, digests)
-        health = f"; unhealthy (the last metrics printed were not finite: {metrics})" if nonfinite else ""
+        health = f"; unhealthy (metrics printed by its step are not finite: {metrics})" if nonfinite else ""
         log.info(
             "Versioned %s as checkpoint %s (step %d, %.1f MB written of %.1f MB)%s",
             ", ".join(members),
@@ -425,6 +479,7 @@ class ScriptFiles:
             self.known[rel] = (found[rel], digests[rel])
             self._skipped.pop(rel, None)
             self._seen.pop(rel, None)
+            self._pending.pop(rel, None)
 
     def _retain(self) -> None:
         store = self._open_store()
@@ -482,6 +537,8 @@ class ScriptFiles:
         why = name_leaves(rel)
         if why is None and not self._matcher.match(rel):
             why = f"it does not match script.checkpoints.glob {self.glob!r}"
+        if why is None and self.excluded(rel):
+            why = "it is one of the supervisor's own files (its store, work directory or MLflow store)"
         if why is None:
             real, root = os.path.realpath(self.root / rel), os.path.realpath(self.root)
             if not real.startswith(root.rstrip(os.sep) + os.sep):
@@ -531,6 +588,24 @@ class ScriptFiles:
         if not self.steps.per_file:
             return extra
         return [rel for rel in extra if (s := self.steps.step(rel, 0.0)) is not None and s > manifest.step]
+
+
+def _under(root: Path, paths: Sequence[Path | str]) -> tuple[str, ...]:
+    """The paths that lie under `root`, relative to it (a trailing `*`: every name starting so). The root
+    itself is never excluded (that would exclude every file): its own parts are given one by one instead."""
+    real_root = Path(os.path.realpath(root))
+    out = []
+    for given in paths:
+        text = str(given)
+        star = text.endswith("*")
+        real = Path(os.path.realpath(text.rstrip("*")))
+        try:
+            rel = real.relative_to(real_root).as_posix()
+        except ValueError:
+            continue
+        if rel not in ("", "."):
+            out.append(rel + "*" if star else rel)
+    return tuple(out)
 
 
 def _zip_problem(path: Path) -> str | None:

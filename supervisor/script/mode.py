@@ -2,7 +2,7 @@
 
 The runner asks `ScriptMode.segment()` for each segment's parts: the command (relaunch arguments appended,
 the chosen version put back in place first), the MLflow variables a script's own `mlflow.start_run()` joins
-the lineage's run with, the output tap, the watcher (detectors on the printed metrics; None when metrics
+the lineage's run with (only with `script.mlflow: join`), the output tap, the watcher (detectors on the printed metrics; None when metrics
 come only from the script's MLflow logging, where the usual MLflow monitor watches), and the drain that
 versions the files while the script runs and once it has exited. After the segment, `settle()` adds an anomaly
 printed after the last poll, and `after_decision()` logs what the decision asks that the script cannot do.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from supervisor.script.faults import ExternalFaults, FaultLauncher
 from supervisor.script.files import KnownFiles, ScriptFiles
 from supervisor.script.output import OutputParser
 from supervisor.script.relaunch import Start, plan_start
-from supervisor.script.scanner import FileScanner
+from supervisor.script.scanner import ExitWatch, FileScanner
 from supervisor.script.steps import NameStep, OutputStep, SidecarStep, StepRule
 from supervisor.script.tap import OutputTap
 from supervisor.script.watch import ScriptWatcher
@@ -62,13 +62,16 @@ class ScriptSegment:
     files: ScriptFiles
     interval: float
     faults: ExternalFaults | None
+    exit: ExitWatch | None = None
 
     @property
     def command(self) -> tuple[str, ...]:
         return self.start.command
 
     def launcher(self, inner: Launcher) -> Launcher:
-        return FaultLauncher(inner, self.faults) if self.faults is not None else inner
+        """`inner`, with the drill's external faults, noting how the script ended (for the final scan)."""
+        self.exit = ExitWatch(FaultLauncher(inner, self.faults) if self.faults is not None else inner)
+        return self.exit
 
     def on_line(self) -> OnLine:
         return self.tap
@@ -88,7 +91,11 @@ class ScriptSegment:
                 self.tap.close()
                 shipper.drain()
 
-            return FileScanner(self.files, self.interval, self.tap.latest, then=after).start()
+            exit_watch = self.exit
+            clean = exit_watch.clean if exit_watch is not None else lambda: False
+            return FileScanner(
+                self.files, self.interval, self.tap.metrics_at, clean=clean, then=after
+            ).start()
 
         return open_drains
 
@@ -104,6 +111,7 @@ class ScriptMode:
         *,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        exclude: Sequence[Path | str] = (),
     ):
         self.policy = policy
         self.config = policy.script
@@ -114,6 +122,8 @@ class ScriptMode:
         self.faults = parse_faults((env or {}).get(FAULTS_ENV))
         self.known: KnownFiles = {}
         self.current: ScriptSegment | None = None
+        self.exclude: list[Path] = [Path(p) for p in exclude]
+        self.mlflow = self.config.mlflow_mode()
 
     def segment(
         self,
@@ -125,6 +135,7 @@ class ScriptMode:
         on_line: OnLine | None,
     ) -> ScriptSegment:
         """Put the segment's checkpoint in place and build its parts."""
+        self._exclude_own(paths, mlflow_env)
         ck, output = self.policy.checkpoint, self.config.output
         relaunch = self.config.relaunch
         start = plan_start(
@@ -150,10 +161,32 @@ class ScriptMode:
             watcher = ScriptWatcher(tap, detectors, HeartbeatWriter(paths.heartbeat))
         notes = {"lr_scale": start.lr_scale, "segment": index}
         files = self._files(self._steps(tap), notes=notes, parent=start.version.id if start.version else None)
+        if self.mlflow == "join":
+            env = {k: v for k, v in mlflow_env.items() if k in MLFLOW_VARIABLES}
+            log.info(
+                "script.mlflow: join: exporting %s, so the script's own run is the lineage's", ", ".join(env)
+            )
+        else:
+            env = {}
+            log.info("script.mlflow: off: MLflow's variables are not exported; metrics come from the output")
         self.current = ScriptSegment(
-            start, dict(mlflow_env), tap, watcher, files, self.config.checkpoints.scan_seconds, faults
+            start, env, tap, watcher, files, self.config.checkpoints.scan_seconds, faults
         )
         return self.current
+
+    def _exclude_own(self, paths: SegmentPaths, mlflow_env: Mapping[str, str]) -> None:
+        """The supervisor's own files, never versioned: the lineage directory (where the plan puts the heartbeat),
+        the work directory above it (`<workdir>/lineages/<lineage>`) and a sqlite MLflow store."""
+        lineage = Path(paths.heartbeat).parent
+        own = [lineage]
+        if lineage.parent.name == "lineages":
+            own += [lineage.parent.parent / "lineages", lineage.parent.parent]
+        uri = mlflow_env.get("MLFLOW_TRACKING_URI", "")
+        if uri.startswith("sqlite:///"):
+            own.append(Path(uri.removeprefix("sqlite://") + "*"))  # the file, its -journal and -wal
+        for path in own:
+            if path not in self.exclude:
+                self.exclude.append(path)
 
     def _files(
         self, steps: StepRule, notes: dict[str, Any] | None = None, parent: str | None = None
@@ -166,11 +199,13 @@ class ScriptMode:
             self.store_dir,
             steps,
             settle_seconds=spec.settle_seconds,
-            zip_check=spec.format == "zip",
+            zip_check=spec.file_format() == "zip",
             retention=policy_from_settings(ck.keep_last, keep_best, ck.keep_every_steps),
             known=self.known,
             notes=notes,
             parent_id=parent,
+            exclude=self.exclude,
+            sidecar=Path(spec.sidecar).as_posix() if spec.step_from == "sidecar" and spec.sidecar else None,
         )
 
     def _steps(self, tap: OutputTap | None) -> StepRule:
@@ -235,7 +270,7 @@ class ScriptMode:
     def _anything_found(self) -> bool:
         if any(self.store_dir.glob("ckpt-*")) and open_store(self.store_dir).list():
             return True
-        return any(p.is_file() for p in self.root.glob(self.config.checkpoints.glob))
+        return bool(self._files(self._steps(None)).matches())
 
     def _nothing_found(self, decision: Any) -> PolicyError:
         glob = self.config.checkpoints.glob

@@ -3,7 +3,8 @@
 Each pattern is searched in every stdout and stderr line; the first that matches gives the line's step (the
 integer in its `step` group) and one metric per other named group whose text reads as a number (`nan` and
 `inf` included: a diverging loss is exactly what the detectors must see). Pure: no I/O, standard library only,
-so the policy schema checks patterns at load time with `pattern_problem`.
+so the policy schema checks patterns at load time with `pattern_problem`, and a sidecar against the
+checkpoint glob with `glob_regex` (the matcher the scans use).
 """
 
 from __future__ import annotations
@@ -73,3 +74,29 @@ class OutputParser:
                     continue  # "12ms" under a group meant for a number: that metric is left out of this line
             return Parsed(step, metrics)
         return None
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A regex matching the relative paths `Path.glob(pattern)` matches (`**` any depth, `*` within a name)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and (end := pattern.find("]", i + 2)) > 0:
+            body = pattern[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out) + r"\Z")

@@ -1,7 +1,8 @@
 """The scanner: a thread that versions a script's checkpoint files while it runs, and once more after it exits.
 
 It is the segment's `Drain`: `drain()` runs once the script is gone, takes the final scan (everything has
-settled then), closes the store, and then lets the next drain (the metric shipper) finish. A scan that fails
+settled then if the script exited with status 0 by itself; after a signal or a non-zero exit, what was still
+changing is not versioned: see `ExitWatch`), closes the store, and then lets the next drain (the metric shipper) finish. A scan that fails
 (a full disk) is logged and retried at the next round: a failing copy never stops the script, it only leaves
 the newest version older.
 """
@@ -9,9 +10,12 @@ the newest version older.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
+from supervisor.launcher import Launcher, LaunchSpec, OnLine, SegmentHandle
 from supervisor.script.files import ScriptFiles
 
 log = logging.getLogger("rollback_supervisor.script")
@@ -24,13 +28,15 @@ class FileScanner:
         self,
         files: ScriptFiles,
         interval: float,
-        metrics: Callable[[], dict[str, float]],
+        metrics_at: Callable[[int], dict[str, float]],
         *,
+        clean: Callable[[], bool] = lambda: False,
         then: Callable[[], None] | None = None,
     ):
         self.files = files
         self.interval = interval
-        self.metrics = metrics
+        self.metrics_at = metrics_at  #: a version's metrics: those printed by its step
+        self.clean = clean  #: whether the script exited with status 0 by itself (asked once it is gone)
         self.then = then
         self.failures = 0
         self._stop = threading.Event()
@@ -46,7 +52,12 @@ class FileScanner:
 
     def _scan(self, *, final: bool) -> None:
         try:
-            self.files.scan(final=final, metrics=self.metrics())
+            clean = self.clean() if final else True
+            if final and not clean:
+                log.info(
+                    "the script ended by a signal or a non-zero exit: files still changing are not versioned"
+                )
+            self.files.scan(final=final, clean=clean, metrics=self.metrics_at)
         except Exception as exc:
             self.failures += 1
             log.warning("versioning %s failed (%s); trying again", self.files.glob, exc)
@@ -62,3 +73,56 @@ class FileScanner:
         finally:
             if self.then is not None:
                 self.then()
+
+
+class ExitWatch:
+    """A launcher that notes how its segment ended, for the final scan: `clean()` only after an exit with status
+    0 that no signal of ours caused. Unknown counts as unclean (the safe side: a file still changing waits)."""
+
+    def __init__(self, inner: Launcher):
+        self.inner = inner
+        self.returncode: int | None = None
+        self.signalled = False
+
+    def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> SegmentHandle:
+        return _WatchedHandle(self.inner.start(spec, on_line), self)
+
+    def reclaim(self, details: Any) -> None:
+        self.inner.reclaim(details)
+
+    def clean(self) -> bool:
+        return self.returncode == 0 and not self.signalled
+
+
+class _WatchedHandle:
+    def __init__(self, inner: SegmentHandle, watch: ExitWatch):
+        self._inner = inner
+        self._watch = watch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _note(self, code: int | None) -> int | None:
+        if code is not None:
+            self._watch.returncode = code
+        return code
+
+    def poll(self) -> int | None:
+        return self._note(self._inner.poll())
+
+    def wait_exit(self, timeout: float) -> int | None:
+        return self._note(self._inner.wait_exit(timeout))
+
+    def wait(self, timeout: float | None = None) -> Any:
+        info = self._inner.wait(timeout)
+        self._note(info.returncode)
+        self._watch.signalled = self._watch.signalled or info.signal_sent is not None
+        return info
+
+    def stop(self, grace_seconds: float, sig: int = signal.SIGTERM) -> None:
+        self._watch.signalled = True
+        self._inner.stop(grace_seconds, sig)
+
+    def kill(self) -> None:
+        self._watch.signalled = True
+        self._inner.kill()

@@ -2,7 +2,8 @@
 
 Each parsed line goes to the metric spool (the shipper takes it to the lineage's MLflow run, as it does for a
 `Session`), to a queue the segment's watcher drains into the detectors, onto the step timeline that labels
-checkpoint files (`step_at`), and to the step listeners (the fault drill's external faults). Thread-safe: the
+checkpoint files (`step_at`), onto the metric timeline that gives a version the metrics of its own step
+(`metrics_at`, not those printed by the time the scanner got to it), and to the step listeners (the fault drill's external faults). Thread-safe: the
 launcher calls it from one reader thread per stream.
 """
 
@@ -57,6 +58,8 @@ class OutputTap:
         self._times: list[float] = []
         self._steps: list[int] = []
         self._latest: dict[str, float] = {}
+        self._metric_steps: list[int] = []  # the step of each line that printed metrics, in reading order
+        self._metrics: list[dict[str, float]] = []
 
     def __call__(self, stream: str, line: str) -> None:
         parsed = self.parser.parse(line)
@@ -75,6 +78,11 @@ class OutputTap:
             self._times.append(now)
             self._steps.append(parsed.step)
             self._latest.update(parsed.metrics)
+            if parsed.metrics:
+                if len(self._metric_steps) >= TIMELINE:
+                    del self._metric_steps[: TIMELINE // 2], self._metrics[: TIMELINE // 2]
+                self._metric_steps.append(parsed.step)
+                self._metrics.append(dict(parsed.metrics))
             if self.spool is not None and parsed.metrics:
                 ms = int(now * 1000)
                 self.spool.send([(k, v, ms, parsed.step) for k, v in parsed.metrics.items()])
@@ -92,6 +100,20 @@ class OutputTap:
         with self._lock:
             i = bisect.bisect_right(self._times, when)
             return self._steps[i - 1] if i else self.start_step
+
+    def metrics_at(self, step: int) -> dict[str, float]:
+        """The last value of each metric printed at or before `step` (lines read in step order; a line whose
+        step went back, after a script's own restart, counts from where it was read)."""
+        with self._lock:
+            i = len(self._metric_steps)
+            while i and self._metric_steps[i - 1] > step:
+                i -= 1
+            out: dict[str, float] = {}
+            while i and len(out) < len(self._latest):
+                i -= 1
+                for key, value in self._metrics[i].items():
+                    out.setdefault(key, value)
+            return out
 
     def latest(self) -> dict[str, float]:
         """The last value printed of each metric."""

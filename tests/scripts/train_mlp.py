@@ -3,15 +3,18 @@
     python train_mlp.py --out_dir=out --max_iters=300 --learning_rate=0.05
     python train_mlp.py --out_dir=out --init_from=resume --learning_rate=0.0125
 
-Like nanoGPT: `--key=value` overrides, a linear learning-rate warm-up, one `ckpt.pt` in `out_dir` overwritten
-in place with `torch.save` every `save_interval` iterations (the state after `iter_num` updates), and one
-`iter N: loss X, lr Y` line per iteration. Unlike nanoGPT it saves everything a bit-exact resume needs: the
-batch of iteration N is drawn from a generator seeded with N, and the optimizer state is in the checkpoint.
+Like nanoGPT: `--key=value` overrides read as its configurator reads them (a Python literal of the default's
+exact type, so `--learning_rate=2` is refused), prints never flushed (the supervisor sets PYTHONUNBUFFERED), a
+linear learning-rate warm-up, one `ckpt.pt` in `out_dir` overwritten in place with `torch.save` every
+`save_interval` iterations (the state after `iter_num` updates), and one `iter N: loss X, lr Y` line per
+iteration. Unlike nanoGPT it saves everything a bit-exact resume needs: the batch of iteration N is drawn from
+a generator seeded with N, and the optimizer state is in the checkpoint.
 """
 
 import os
 import sys
 import time
+from ast import literal_eval
 
 import torch
 
@@ -26,11 +29,19 @@ config = {
     "seed": 0,
     "iter_time": 0.0,  # seconds each iteration lasts at least, as a bigger model's would
 }
-for arg in sys.argv[1:]:
+for arg in sys.argv[
+    1:
+]:  # nanoGPT's configurator: a Python literal of the default's exact type, else the text
     key, _, value = arg.removeprefix("--").partition("=")
     if key not in config:
         sys.exit(f"unknown option --{key}")
-    config[key] = type(config[key])(value)
+    try:
+        attempt = literal_eval(value)
+    except (SyntaxError, ValueError):
+        attempt = value
+    if type(attempt) is not type(config[key]):  # nanoGPT asserts this: --learning_rate=2 fails, 2.0 works
+        sys.exit(f"--{key}={value}: expected a {type(config[key]).__name__}, got a {type(attempt).__name__}")
+    config[key] = attempt
 
 torch.manual_seed(config["seed"])
 inputs = torch.randn(2048, 32)
@@ -44,9 +55,9 @@ if config["init_from"] == "resume":
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num = checkpoint["iter_num"]
-    print(f"resuming from {ckpt_path} at iter {iter_num}", flush=True)
+    print(f"resuming from {ckpt_path} at iter {iter_num}")
 os.makedirs(config["out_dir"], exist_ok=True)
-print(f"peak learning rate {config['learning_rate']}", flush=True)
+print(f"peak learning rate {config['learning_rate']}")
 
 
 def get_lr(it):
@@ -70,7 +81,7 @@ while True:
     loss.backward()
     optimizer.step()
     value = loss.item()
-    print(f"iter {iter_num}: loss {value:.6g}, lr {lr:.6g}", flush=True)
+    print(f"iter {iter_num}: loss {value:.6g}, lr {lr:.6g}")
     iter_num += 1
     time.sleep(max(0.0, config["iter_time"] - (time.monotonic() - started)))
-print("training done", flush=True)
+print("training done")
