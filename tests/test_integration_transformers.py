@@ -25,12 +25,8 @@ from supervisor.errors import UserError
 from supervisor.flatten import flatten
 from supervisor.orchestrator import LineageRunner, RunOptions, python_command
 from supervisor.rng import capture_rng, restore_rng
-from supervisor.runtime.actions import SaveDue, Stop
-from supervisor.runtime.core import TrainingCore
 from supervisor.runtime.faults import FAULTS_ENV
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan
-from supervisor.runtime.seams import NullMetrics
-from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
 from tests.conftest import REPO
 from tests.flowkit import history, live_series, record
@@ -163,46 +159,6 @@ def test_a_checkpoint_of_another_batch_count_is_refused_with_its_numbers():
     ) as err:
         DataPosition(32).load_state_dict({"batches": 7, "batches_per_epoch": 40})
     assert isinstance(err.value, UserError)  # a user's mistake: exit 2, one line, no traceback
-
-
-def test_without_in_process_rollback_the_core_reports_the_anomaly_and_stops_with_exit_76(tmp_path: Path):
-    # A policy and a checkpoint with which the core would roll back in process (test_runtime_core.py).
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        "version: 1\nname: core\ncheckpoint: {every_steps: 2, keep_last: 10, async: false}\n"
-        "monitor: {detectors: [{type: non_finite, metrics: [loss]}]}\n"
-        "rules: [{when: [non_finite], action: rollback, target: {select: latest}, lr_scale: 0.5}]\n"
-    )
-    plan = LaunchPlan(
-        lineage="core",
-        workdir=str(tmp_path / "work"),
-        checkpoint_dir=str(tmp_path / "work" / "checkpoints"),
-        tracking_uri=f"sqlite:///{tmp_path / 'unused.db'}",
-        policy_path=str(policy),
-        supervised=False,
-    )
-    core = TrainingCore(plan, load_session_policy(plan), TrainingState(), in_process_rollback=False)
-    core.outputs.metrics = NullMetrics()
-    net = torch.nn.Linear(4, 1)
-    core.register("model", net)
-    core.restore()
-    try:
-        core.state.step = 2
-        assert core.step_ended(2, {"loss": 1.0}) == SaveDue(2)
-        assert core.save(2, {"loss": 1.0}) and core.wait()
-        with torch.no_grad():
-            net.weight.add_(1.0)
-        after = net.weight.detach().clone()
-        core.state.step = 3
-        action = core.step_ended(3, {"loss": float("nan")})
-    finally:
-        core.close()
-    assert isinstance(action, Stop) and action.reason.startswith("anomaly: ")
-    assert (action.exit_code, action.checkpoint) == (exitcodes.EXIT_ANOMALY, False)
-    assert core.exit_code == exitcodes.EXIT_ANOMALY and core.rollbacks_in_process == 0
-    assert core.state.step == 3 and torch.equal(net.weight, after)  # nothing was restored
-    (report,) = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
-    assert report["handled_in_process"] is False and report["event"]["type"] == "non_finite"
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ ROLLBACK = "rules: [{when: [non_finite], action: rollback, target: {select: late
 STOP = "rules: [{when: [non_finite], action: stop}]\n"
 
 
-def _core(tmp_path: Path, rules: str = ROLLBACK) -> TrainingCore:
+def _core(tmp_path: Path, rules: str = ROLLBACK, *, in_process_rollback: bool = True) -> TrainingCore:
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY + rules)
     plan = LaunchPlan(
@@ -38,7 +38,9 @@ def _core(tmp_path: Path, rules: str = ROLLBACK) -> TrainingCore:
         policy_path=str(policy),
         supervised=False,
     )
-    core = TrainingCore(plan, load_session_policy(plan), TrainingState())
+    core = TrainingCore(
+        plan, load_session_policy(plan), TrainingState(), in_process_rollback=in_process_rollback
+    )
     core.outputs.metrics = NullMetrics()  # no MLflow: what is logged is not under test here
     return core
 
@@ -145,5 +147,45 @@ def test_a_stop_with_a_checkpoint_is_answered_and_ends_with_exit_75(tmp_path: Pa
         saved = core.save(1, {}) and core.wait()
         assert core.stopped(action, saved=saved) == exitcodes.EXIT_PREEMPTED
         assert [i.step for i in core.store.list()] == [1]  # type: ignore[union-attr]
+    finally:
+        core.close()
+
+
+def test_without_in_process_rollback_the_core_reports_the_anomaly_and_stops_with_exit_76(tmp_path: Path):
+    """A driver whose loop cannot restart its data (the HF Trainer's): with a policy and a checkpoint that would
+    roll back in process, the core reports the anomaly and stops with 76, restoring nothing."""
+    core = _core(tmp_path, in_process_rollback=False)
+    net = torch.nn.Linear(4, 1)
+    core.register("model", net)
+    core.restore()
+    try:
+        core.state.step = 5
+        assert core.step_ended(5, {"loss": 1.0}) == SaveDue(5)
+        assert core.save(5, {"loss": 1.0}) and core.wait()
+        with torch.no_grad():
+            net.weight.add_(1.0)
+        after = net.weight.detach().clone()
+        core.state.step = 6
+        action = core.step_ended(6, {"loss": float("nan")})
+    finally:
+        core.close()
+    assert isinstance(action, Stop) and action.reason.startswith("anomaly: ")
+    assert (action.exit_code, action.checkpoint) == (exitcodes.EXIT_ANOMALY, False)
+    assert core.exit_code == exitcodes.EXIT_ANOMALY and core.rollbacks_in_process == 0
+    assert core.state.step == 6 and torch.equal(net.weight, after)  # nothing was restored
+    (report,) = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    assert report["handled_in_process"] is False and report["event"]["type"] == "non_finite"
+
+
+def test_save_may_be_due_answers_what_step_ended_would_without_changing_anything(tmp_path: Path):
+    core = _core(tmp_path)
+    Model(core)
+    core.restore()
+    try:
+        asked = [s for s in range(1, 12) if core.save_may_be_due(s)]
+        assert asked == [5, 10]  # every_steps: 5, asked before any step ended: the cadence moved not at all
+        assert core.save_may_be_due(3, final=True)
+        core.request_stop("test", checkpoint=True)
+        assert core.save_may_be_due(3)
     finally:
         core.close()

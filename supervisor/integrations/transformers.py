@@ -362,12 +362,7 @@ class RollbackSupervisorCallback(TrainerCallback):
 
     def _save_may_be_due(self, step: int, control: TrainerControl) -> bool:
         """Whether `step` may be checkpointed: the last step (the final one), a stop's, or the cadence's."""
-        core = self._need()
-        return (
-            control.should_training_stop
-            or core.stopping() is not None
-            or core.decider.cadence.due(step, time.monotonic())
-        )
+        return self._need().save_may_be_due(step, final=control.should_training_stop)
 
     def _finish(self, step: int) -> None:
         """The loop is over: the emergency checkpoint and the stop, or the final checkpoint."""

@@ -254,6 +254,12 @@ class TrainingCore:
             return SaveDue(step)
         return self.stopping() or CONTINUE
 
+    def save_may_be_due(self, step: int, *, final: bool = False) -> bool:
+        """Whether `step_ended(step)` may answer SaveDue (the last step, a pending stop, or the cadence), asked
+        before the step's metrics are gathered; changes nothing. A driver whose framework logs only some steps
+        (the HF Trainer) makes sure such a step's metrics exist, so no checkpoint is written unchecked."""
+        return final or self.stopping() is not None or self.decider.may_save(step)
+
     def stopping(self) -> Stop | None:
         """The stop to carry out now, if any; under DDP only one every rank agreed on counts."""
         if not self.decider.may_stop:

@@ -67,6 +67,10 @@ class StepDecider:
         """Whether the save policy checkpoints `step` (`writing`: the store has a write in flight)."""
         return self.cadence.due(step, now, writing=writing, stopping=stopping, final=final)
 
+    def may_save(self, step: int) -> bool:
+        """Whether the save policy would checkpoint `step` now; observes and changes nothing."""
+        return self.cadence.due(step, self._clock())
+
     def agree(
         self, events: list[Event], pending: StopRequest | None, *, due: bool, writing: bool
     ) -> StepView:
