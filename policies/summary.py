@@ -192,6 +192,7 @@ def _script(policy: Policy) -> list[str]:
         mlflow = "MLflow's variables are not exported (script.mlflow: off)"
     args = s.relaunch.args if isinstance(s.relaunch.args, str) else " ".join(s.relaunch.args)
     values = ", ".join(f"{k} = {v:g}" for k, v in s.relaunch.values.items())
+    rendered = s.relaunch.template().preview(dict(s.relaunch.values))
     return [
         f"  Metrics: {metrics}; {mlflow}.",
         f"  Checkpoint files: {files.glob} under the command's working directory, checked every "
@@ -199,6 +200,8 @@ def _script(policy: Policy) -> list[str]:
         f"version's step is {step}.",
         f"  Relaunch: the command plus {args or 'nothing'}" + (f" ({values})" if values else "") + "; a "
         "relaunch from scratch runs the command as first given.",
+        f"  Relaunch arguments at lr_scale 1 with no skip: {' '.join(rendered) or 'none'} (a --key=value of "
+        "the command must match its --key= here, or the run is refused).",
         "  Fault drill: kill, term and hang are injected from outside; nan, spike, hw, oom and exc cannot be.",
     ] + (
         [

@@ -22,7 +22,7 @@ from supervisor.checkpoint import open_store
 from supervisor.checkpoint.blobs import tensor_digest
 from supervisor.checkpoint.retention import policy_from_settings
 from supervisor.cli import main
-from supervisor.errors import CheckpointCorrupt
+from supervisor.errors import CheckpointCorrupt, CheckpointError
 from supervisor.launcher import LaunchSpec, LocalLauncher
 from supervisor.monitor import DetectorSet, build_detectors
 from supervisor.runtime.plan import RestoreSpec
@@ -544,7 +544,8 @@ def test_the_supervisors_own_files_are_never_versioned_and_a_restore_touches_non
     """A `**` glob, with run's default work directory (.rollback) under the script's working directory."""
     root, workdir = tmp_path / "run", tmp_path / "run" / ".rollback"
     lineage, store = workdir / "lineages" / "L", workdir / "checkpoints" / "L"
-    mode = ScriptMode(parse_policy(OWN_FILES_POLICY, "p.yaml"), "p.yaml", store, cwd=str(root))
+    policy = parse_policy(OWN_FILES_POLICY, "p.yaml")
+    mode = ScriptMode(policy, "p.yaml", store, cwd=str(root), exclude=(workdir,))  # as the runner passes it
     paths = SegmentPaths(lineage / "metrics" / "0.jsonl", lineage / "heartbeat.json", lineage / "faults.json")
     mode._exclude_own(paths, {"MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"})
     own = [
@@ -712,3 +713,148 @@ def test_a_version_takes_the_metrics_printed_by_its_own_step(tmp_path):
         (cid,) = files.scan(final=True, metrics=tap.metrics_at)
         (info,) = files.catalog.list()
     assert info.id == cid and info.healthy and info.metrics == {"loss": 0.4}
+
+
+# -- review round 2: command/template agreement, symlinked output, damaged blobs, warm detectors ------------
+
+
+def _runner_options(tmp_path: Path, *args: str, policy: Path = SCRIPT_POLICY):
+    from supervisor.orchestrator import RunOptions
+
+    return RunOptions(
+        command=(sys.executable, "train.py", *args),
+        policy_path=str(policy),
+        lineage="values",
+        workdir=tmp_path / "w",
+        cwd=str(tmp_path),
+    )
+
+
+def test_a_command_value_the_relaunch_would_change_is_refused_naming_both_values(tmp_path):
+    """script.yaml renders --learning_rate={lr * lr_scale} with lr 2.0: a command at 0.3 would resume at 2.0."""
+    from supervisor.orchestrator import LineageRunner
+
+    with pytest.raises(PolicyError) as err:
+        LineageRunner(_runner_options(tmp_path, "--learning_rate=0.1", "--learning_rate=0.3"))
+    line = str(err.value)
+    at = next(i for i, t in enumerate(SCRIPT_POLICY.read_text().splitlines(), 1) if "args:" in t)
+    assert line.startswith(f"{SCRIPT_POLICY}:{at}:11: script.relaunch.args: "), line
+    assert "command's --learning_rate=0.3, got --learning_rate=2.0" in line  # the last one given counts
+    assert "set script.relaunch.values" in line and err.value.exit_code == 2 and "\n" not in line
+    # The same value written otherwise, a command without the key, and keys with no field are all accepted.
+    for args in (["--learning_rate=2e0"], [], ["--init_from=scratch", "--learning_rate=2.0"]):
+        LineageRunner(_runner_options(tmp_path, *args)).close()
+
+
+def test_explain_prints_the_relaunch_arguments_rendered_at_lr_scale_1(tmp_path, capsys):
+    policy = tmp_path / "p.yaml"
+    text = SCRIPT_POLICY.read_text()
+    args = (
+        "args: --init_from=resume --learning_rate={lr * lr_scale} --ckpt={checkpoint} --skip={skip_batches}"
+    )
+    policy.write_text(text.replace("args: --init_from=resume --learning_rate={lr * lr_scale}", args))
+    assert main(["policy", "explain", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "Relaunch arguments at lr_scale 1 with no skip: --init_from=resume --learning_rate=2.0 "
+        "--ckpt={checkpoint} --skip=0 (" in out
+    ), out
+
+
+def test_a_symlinked_output_directory_is_versioned_and_put_back_through_its_target(tmp_path, caplog):
+    caplog.set_level("INFO", logger="rollback_supervisor.script")
+    scratch = tmp_path / "scratch" / "out"
+    scratch.mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "out").symlink_to(scratch, target_is_directory=True)
+    ckpt, step = tmp_path / "run" / "out" / "ckpt.pt", [10]
+    with _files(tmp_path, step, clock=Clock(1e12)) as files:
+        first = _save(ckpt, 1.0, 10)
+        (v10,) = files.scan(final=True)
+        _save(ckpt, 2.0, 20)
+        step[0] = 20
+        (v20,) = files.scan(final=True)
+        assert f"out/ckpt.pt resolves to {scratch / 'ckpt.pt'}, outside" in caplog.text
+        restored = files.restore(v10, rollback=True)
+    assert restored.id == v10 and (scratch / "ckpt.pt").read_bytes() == first and ckpt.is_file()
+    state = json.loads(open_store(tmp_path / "store").read(f"ckpt-{v10}/state.json"))
+    assert state["resolved"] == {"out/ckpt.pt": str(scratch / "ckpt.pt")}
+    assert "resolved" not in restored.notes
+    # The link now leads elsewhere: the version is not written there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run" / "out").unlink()
+    (tmp_path / "run" / "out").symlink_to(elsewhere, target_is_directory=True)
+    with (
+        _files(tmp_path, [0]).open(baseline=False) as files,
+        pytest.raises(CheckpointCorrupt, match=f"it resolved to {scratch / 'ckpt.pt'} when versioned"),
+    ):
+        files.restore(v10)
+    assert not list(elsewhere.iterdir())
+
+
+def test_a_symlink_into_the_supervisors_own_files_is_never_versioned(tmp_path, caplog):
+    store = tmp_path / "store"
+    (store / "out").mkdir(parents=True)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "out").symlink_to(store / "out", target_is_directory=True)
+    _save(store / "out" / "ckpt.pt", 1.0, 10)
+    with _files(tmp_path, [10], clock=Clock(1e12)) as files:
+        assert files.matches() == {} and files.scan(final=True) == []
+    assert "one of the supervisor's own files" in caplog.text
+
+
+def test_a_damaged_blob_falls_back_to_the_next_older_version(tmp_path, caplog):
+    from supervisor.script.relaunch import plan_start
+
+    caplog.set_level("INFO", logger="rollback_supervisor.script")
+    ckpt, step = tmp_path / "run" / "out" / "ckpt.pt", [10]
+    saved = {}
+    with _files(tmp_path, step, clock=Clock(1e12)) as files:
+        for n in (10, 20, 30):
+            step[0] = n
+            saved[n] = _save(ckpt, float(n), n)
+            (saved[f"id{n}"],) = files.scan(final=True)
+    catalog = open_store(tmp_path / "store")
+    blob = tmp_path / "store" / catalog.manifest(saved["id30"]).tensors["out/ckpt.pt"].blob
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF  # same size: only a full read finds it
+    blob.write_bytes(bytes(raw))
+    ckpt.write_bytes(b"a save cut short")  # what the killed script left in place
+    template = ArgTemplate.parse("--init_from=resume")
+    spec = RestoreSpec(checkpoint_id=saved["id30"])
+    start = plan_start(_files(tmp_path, [0]), template, {}, ("train",), spec, first=False)
+    assert start.version.id == saved["id20"] and start.step == 20
+    assert ckpt.read_bytes() == saved[20] and not list(ckpt.parent.glob(".*tmp"))
+    assert f"Not restoring checkpoint {saved['id30']} (checkpoint {saved['id30']} is invalid:" in caplog.text
+    assert f"relaunching from checkpoint {saved['id20']} instead of {saved['id30']}" in caplog.text
+    # Nothing healthy left: the relaunch fails, naming each version and why.
+    for n in (10, 20):
+        (tmp_path / "store" / catalog.manifest(saved[f"id{n}"]).tensors["out/ckpt.pt"].blob).write_bytes(b"x")
+    ckpt.write_bytes(b"a save cut short")
+    with pytest.raises(CheckpointError, match="can be put back for the relaunch"):
+        plan_start(_files(tmp_path, [0]), template, {}, ("train",), spec, first=False)
+
+
+def test_the_surviving_branch_warms_the_next_segments_detectors(tmp_path):
+    """Points after the version a segment resumes from are dropped; a baseline set before still counts."""
+    from supervisor.monitor import Point
+    from supervisor.script.mode import _extend_branch
+
+    branch: list = []
+    _extend_branch(branch, [Point("loss", s, 1.0, 0.0) for s in range(10)])
+    _extend_branch(branch, [Point("loss", s, 2.0, 1.0) for s in (4, 5, 6)])  # the script went back to step 4
+    assert [(p.step, p.value) for p in branch] == [(s, 1.0) for s in range(4)] + [
+        (4, 2.0),
+        (5, 2.0),
+        (6, 2.0),
+    ]
+    spec = [{"type": "divergence", "metric": "loss", "window": 2, "factor": 1.5, "patience": 1}]
+    tap = OutputTap(OutputParser([NANOGPT]))
+    warm = ScriptWatcher(tap, DetectorSet(build_detectors(spec)), history=branch[:4])
+    cold = ScriptWatcher(OutputTap(OutputParser([NANOGPT])), DetectorSet(build_detectors(spec)))
+    for watcher in (warm, cold):
+        for s, loss in ((4, 1.6), (5, 1.6), (6, 1.6)):
+            watcher.tap("stdout", f"iter {s}: loss {loss}")
+    assert [e.type for e in warm.poll(1.0)] == ["divergence"] and cold.poll(1.0) == []
+    assert [p.step for p in warm.observed] == [4, 5, 6]

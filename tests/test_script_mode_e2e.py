@@ -310,3 +310,60 @@ def test_a_glob_that_never_matched_is_a_policy_error_at_decision_time(workdir, t
     assert "got no file ever matching it" in line and err.value.exit_code == 2
     on_disk = json.loads((workdir / "lineages" / "no-files" / "lineage.json").read_text())
     assert on_disk["status"] == "failed" and on_disk["segments"][0]["event"]["type"] == "unknown_exit"
+
+
+DRIFT = str(REPO / "tests" / "scripts" / "drift.py")
+DRIFT_POLICY = """\
+version: 1
+name: drift
+checkpoint: {keep_last: 20}
+monitor:
+  poll_seconds: 0.1
+  detectors: [{type: divergence, metric: loss, window: 3, factor: 1.5, patience: 2}]
+rules:
+  - when: [unknown_exit, preemption]
+    action: resume
+    target: {select: latest}
+  - when: [divergence, software_error]
+    action: fail
+limits: {max_restarts: 3, max_rollbacks: 1, backoff: {initial_seconds: 0.1, jitter: false}}
+script:
+  output: {patterns: ['iter (?P<step>\\d+): loss (?P<loss>\\S+)']}
+  checkpoints: {glob: out/state.json, step_from: output, scan_seconds: 0.03, settle_seconds: 0.01}
+  relaunch: {args: --init_from=resume}
+"""
+
+
+def test_detectors_warmed_on_the_branch_so_far_still_fire_after_a_kill(workdir, tmp_path, caplog):
+    """The loss bottoms out at 1.0 by iteration 30, then drifts up 1% an iteration; a kill at 60 relaunches the
+    script. Warmed on segment 0's points, the divergence detector keeps its best of ~1.0 and fires at ~85 in
+    segment 1; started cold it would take its best at the resume (1.2-1.3) and never fire before the end (110)."""
+    caplog.set_level("INFO", logger="rollback_supervisor.script")
+    policy = tmp_path / "drift.yaml"
+    policy.write_text(DRIFT_POLICY)
+    (workdir / "drift").mkdir(exist_ok=True)
+    options = RunOptions(
+        command=(sys.executable, DRIFT),
+        policy_path=str(policy),
+        lineage="drift",
+        workdir=workdir,
+        cwd=str(workdir / "drift"),
+        env={FAULTS_ENV: "kill@60"},
+    )
+    record, _ = _supervise(options)
+    first, second = record.segments
+    assert (first.event["type"], first.outcome) == ("unknown_exit", "resume")
+    resumed = int(
+        re.findall(r"resuming from out/state.json at iter (\d+)", _segment_log(workdir, "drift", 1))[0]
+    )
+    assert resumed in (50, 60)
+    assert second.event["type"] == "divergence" and (record.status, second.outcome) == ("failed", "fail")
+    evidence = second.event["evidence"]
+    # The baseline is segment 0's, and the anomaly is segment 1's.
+    assert evidence["best_step"] < 40 and evidence["best_mean"] < 1.02
+    assert resumed < second.event["onset_step"] < 110
+    warmed = [r.getMessage() for r in caplog.records if "detectors warmed on" in r.getMessage()]
+    assert warmed == [
+        f"detectors warmed on {resumed} points of the surviving branch (steps 0-{resumed - 1}) "
+        f"before step {resumed}"
+    ]

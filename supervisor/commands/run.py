@@ -77,6 +77,11 @@ def preflight(
     from supervisor.lineage import Lease, LeaseKeeper
 
     loaded = load_policy(policy)  # a bad policy fails here, with file:line:col, before anything starts
+    if loaded.script is not None:  # a command the relaunch would change is refused before Prefect starts
+        from supervisor.command import python_command
+        from supervisor.script.mode import check_command
+
+        check_command(loaded, policy, python_command(argv))
     name = lineage or lease_lineage(argv)
     ck = loaded.checkpoint
     layout = LineageLayout.resolve(workdir, ck.storage, name, ck.remote)  # checks the lineage name

@@ -82,11 +82,18 @@ class LineageRunner:
         self.pending: Decision | None = None
         self.script = (  # the policy's `script:` section: a command that does not use the training-side API
             ScriptMode(
-                self.policy, options.policy_path, self.layout.checkpoints, cwd=options.cwd, env=options.env
+                self.policy,
+                options.policy_path,
+                self.layout.checkpoints,
+                cwd=options.cwd,
+                env=options.env,
+                exclude=(Path(options.workdir).resolve(),),  # the work directory is never versioned
             )
             if self.policy.script is not None
             else None
         )
+        if self.script is not None:  # refuse relaunch arguments that disagree with the command's own
+            self.script.check_command(options.command)
 
     def __enter__(self) -> LineageRunner:
         return self
@@ -317,7 +324,8 @@ class LineageRunner:
             start_step=heartbeat_step(plan.heartbeat_path),
         )
         if script is not None:
-            seg.note_launch({"command": list(command)})
+            version = script.start.version
+            seg.note_launch({"command": list(command), "restored": version.id if version else None})
         record.segments.append(seg)
         self._save()
         report_wait = (

@@ -20,8 +20,14 @@ matched nothing for `EMPTY_SCANS` scans, are each warned about once per segment.
 What a version holds depends on the step rule (`steps.py`): with steps from file names, each step is its own
 version (the files whose names carry it); otherwise a version is a snapshot of every matched file.
 
-`restore()` puts a version back: each of its files is written to a temp file beside the target and renamed
-over it (atomic), unless the bytes in place already match; matched files that are newer than the version (a
+A matched file may resolve outside the working directory through a symlinked directory (`out -> /scratch/out`):
+it is versioned with the path it resolved to, and put back through that same path, so long as the link still
+resolves there; a file resolving into the supervisor's own files is never matched nor put back.
+
+`restore()` puts a version back: each of its files is first written to a temp file beside the target and
+checked against its digest (a damaged blob is a `CheckpointCorrupt` before any file in place changed; the
+caller falls back to the next older version), then renamed over it (atomic), unless the bytes in place
+already match; matched files that are newer than the version (a
 later step, or absent from a snapshot) are removed, so a script that resumes from the newest file it finds
 resumes from the chosen one; on a rollback, every version committed after the target is marked abandoned.
 
@@ -136,6 +142,16 @@ class ScriptFiles:
         self._clock = clock
         self._matcher = glob_regex(glob)
         self._excluded = _under(self.root, [self.store_dir, *exclude])
+        # The supervisor's own paths, resolved: a symlink under the root must not lead a version into them. One
+        # holding the root itself is given in parts (see `_under`).
+        self._real_root = os.path.realpath(self.root)
+        self._own_real = tuple(
+            own
+            for p in [self.store_dir, *exclude]
+            if str(p).rstrip("*")
+            and not _inside(self._real_root, own := os.path.realpath(str(p).rstrip("*")))
+        )
+        self._told_resolved: set[str] = set()
         self.sidecar = sidecar  #: the sidecar's relative path: a few bytes of text, never zip-checked
         self._pending: dict[str, int] = {}  # rel -> scans it has been pending without a version
         self._warned_pending: set[str] = set()
@@ -236,9 +252,36 @@ class ScriptFiles:
                 st = os.lstat(path)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISREG(st.st_mode) and not self._resolves_to_own(rel):
                 found[rel] = Signature.of(st)
         return found
+
+    def resolved(self, rel: str) -> str | None:
+        """Where `rel` resolves when that is outside the root (a symlinked directory); None inside it."""
+        real = os.path.realpath(self.root / rel)
+        return None if _inside(real, self._real_root) else real
+
+    def _resolves_to_own(self, rel: str) -> bool:
+        real = self.resolved(rel)
+        if real is None:
+            return False
+        if any(_inside(real, own) for own in self._own_real):
+            if rel not in self._told_resolved:
+                self._told_resolved.add(rel)
+                log.warning(
+                    "%s is not versioned: it resolves to %s, one of the supervisor's own files", rel, real
+                )
+            return True
+        if rel not in self._told_resolved:
+            self._told_resolved.add(rel)
+            log.info(
+                "%s resolves to %s, outside %s (a symlinked directory): versioned, and put back through that "
+                "path while the link still resolves there",
+                rel,
+                real,
+                self._real_root,
+            )
+        return False
 
     def scan(
         self,
@@ -453,6 +496,9 @@ class ScriptFiles:
         nonfinite: list[str],
     ) -> Manifest:
         state = {"kind": KIND, "files": sorted(refs), **self.notes}
+        resolved = {rel: real for rel in sorted(refs) if (real := self.resolved(rel)) is not None}
+        if resolved:
+            state["resolved"] = resolved  # where each file lay through a symlink when it was versioned
         raw = json.dumps(state, sort_keys=True, allow_nan=False).encode()
         write_file(os.path.join(staged, STATE), raw)
         entries = [
@@ -499,10 +545,33 @@ class ScriptFiles:
         catalog = store.catalog
         manifest = catalog.manifest(checkpoint_id)
         state = self._state(catalog, checkpoint_id)
+        resolved = state.get("resolved") if isinstance(state.get("resolved"), dict) else {}
         for rel in manifest.tensors:
-            self._check_target(checkpoint_id, rel)
-        for rel, ref in sorted(manifest.tensors.items()):
-            self._put_back(catalog, checkpoint_id, rel, ref)
+            self._check_target(checkpoint_id, rel, resolved.get(rel))
+        fetched: list[tuple[str, Path, str]] = []
+        try:
+            for rel, ref in sorted(manifest.tensors.items()):
+                tmp = self._fetch(catalog, checkpoint_id, rel, ref)
+                if tmp is not None:
+                    fetched.append((rel, tmp, ref.digest))
+        except BaseException:
+            for _, tmp, _ in fetched:
+                tmp.unlink(missing_ok=True)
+            raise
+        for i, (rel, tmp, digest) in enumerate(fetched):
+            path = self.root / rel
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                for _, rest, _ in fetched[i:]:
+                    rest.unlink(missing_ok=True)
+                raise
+            fsync_dir(str(path.parent))
+            self.known[rel] = (Signature.of(os.lstat(path)), digest)
+            log.info(
+                "Put %s back from checkpoint %s (step %d)", rel, checkpoint_id, parse_id(checkpoint_id)[0]
+            )
+        notes = {k: v for k, v in state.items() if k not in ("kind", "files", "resolved")}
         for rel in self._newer(manifest):
             (self.root / rel).unlink(missing_ok=True)
             self.known.pop(rel, None)
@@ -515,7 +584,6 @@ class ScriptFiles:
                     log.info("Checkpoint %s abandoned: the run rolled back to %s", info.id, checkpoint_id)
             self._reindex()
         self.parent_id = checkpoint_id
-        notes = {k: v for k, v in state.items() if k not in ("kind", "files")}
         return Restored(checkpoint_id, manifest.step, tuple(sorted(manifest.tensors)), notes)
 
     def _state(self, catalog: Catalog, checkpoint_id: str) -> dict[str, Any]:
@@ -532,21 +600,30 @@ class ScriptFiles:
             )
         return state
 
-    def _check_target(self, checkpoint_id: str, rel: str) -> None:
-        """A version only ever writes a path the glob matches, inside the root (a planted manifest cannot)."""
+    def _check_target(self, checkpoint_id: str, rel: str, recorded: object = None) -> None:
+        """A version only ever writes a path the glob matches, inside the root or where the path resolved (through
+        a symlinked directory) when it was versioned, never into the supervisor's own files."""
         why = name_leaves(rel)
         if why is None and not self._matcher.match(rel):
             why = f"it does not match script.checkpoints.glob {self.glob!r}"
         if why is None and self.excluded(rel):
             why = "it is one of the supervisor's own files (its store, work directory or MLflow store)"
         if why is None:
-            real, root = os.path.realpath(self.root / rel), os.path.realpath(self.root)
-            if not real.startswith(root.rstrip(os.sep) + os.sep):
-                why = f"it resolves to {real}, outside {root}"
+            real = os.path.realpath(self.root / rel)
+            if any(_inside(real, own) for own in self._own_real):
+                why = f"it resolves to {real}, one of the supervisor's own files"
+            elif not _inside(real, self._real_root) and real != recorded:
+                was = f"; it resolved to {recorded} when versioned" if isinstance(recorded, str) else ""
+                why = (
+                    f"it resolves to {real}, outside {self._real_root}{was}; point the symlink back where it "
+                    "led when the version was taken"
+                )
         if why is not None:
             raise CheckpointCorrupt(checkpoint_id, f"file {rel!r} cannot be put back: {why}")
 
-    def _put_back(self, catalog: Catalog, checkpoint_id: str, rel: str, ref: TensorRef) -> None:
+    def _fetch(self, catalog: Catalog, checkpoint_id: str, rel: str, ref: TensorRef) -> Path | None:
+        """The version's bytes of `rel` in a checked temp file beside it; None when the file already holds them.
+        CheckpointCorrupt when the blob cannot be read or reads back wrong."""
         target = self.root / rel
         try:
             st = os.lstat(target)
@@ -560,7 +637,7 @@ class ScriptFiles:
             if digest == ref.digest:
                 self.known[rel] = (Signature.of(st), digest)
                 log.info("%s already holds checkpoint %s's bytes", rel, checkpoint_id)
-                return
+                return None
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, st.st_mode & 0o7777 if st else 0o644)
@@ -568,19 +645,20 @@ class ScriptFiles:
             try:
                 digest, _ = opaque.read_blob(catalog.confined(ref.blob), ref.key, fd)
                 os.fsync(fd)
+            except (OSError, ValueError) as exc:
+                raise CheckpointCorrupt(
+                    checkpoint_id, f"{ref.blob}: {rel} cannot be read back: {exc}"
+                ) from None
             finally:
                 os.close(fd)
             if digest != ref.digest:
                 raise CheckpointCorrupt(
                     checkpoint_id, f"{ref.blob}: {rel} reads back as {digest}, expected {ref.digest}"
                 )
-            os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(str(target.parent))
-        self.known[rel] = (Signature.of(os.lstat(target)), digest)
-        log.info("Put %s back from checkpoint %s (step %d)", rel, checkpoint_id, parse_id(checkpoint_id)[0])
+        return tmp
 
     def _newer(self, manifest: Manifest) -> list[str]:
         """Matched files a script could mistake for a newer checkpoint than the restored one."""
@@ -606,6 +684,11 @@ def _under(root: Path, paths: Sequence[Path | str]) -> tuple[str, ...]:
         if rel not in ("", "."):
             out.append(rel + "*" if star else rel)
     return tuple(out)
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether the resolved `path` is `root` or lies under it."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _zip_problem(path: Path) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from supervisor.checkpoint import open_store
 from supervisor.checkpoint.retention import policy_from_settings
 from supervisor.errors import PolicyError
 from supervisor.launcher import Launcher, OnLine
-from supervisor.monitor import DetectorSet, HeartbeatWriter, build_detectors
+from supervisor.monitor import DetectorSet, HeartbeatWriter, Point, build_detectors
 from supervisor.runtime.faults import FAULTS_ENV, parse_faults
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.script.faults import ExternalFaults, FaultLauncher
@@ -40,6 +40,8 @@ log = logging.getLogger("rollback_supervisor.script")
 
 #: The variables that make a script's `mlflow.start_run()` log into the lineage's run.
 MLFLOW_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID")
+#: Points of the surviving branch kept to warm a relaunched segment's detectors (the oldest go first).
+BRANCH_POINTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ class ScriptMode:
         self.current: ScriptSegment | None = None
         self.exclude: list[Path] = [Path(p) for p in exclude]
         self.mlflow = self.config.mlflow_mode()
+        #: Metric points of the lineage's surviving branch read so far, in reading order (detector warm-up).
+        self.branch: list[Point] = []
+
+    def check_command(self, command: Sequence[str]) -> None:
+        """`check_command` for this lineage's policy (see there)."""
+        check_command(self.policy, self.policy_path, command)
 
     def segment(
         self,
@@ -147,6 +155,7 @@ class ScriptMode:
             first=index == 0,
             allow_nonfinite=ck.allow_nonfinite,
         )
+        history = self._branch_to(start)
         faults = ExternalFaults(self.faults, paths.faults) if self.faults else None
         tap = OutputTap(
             OutputParser(output.patterns),
@@ -158,7 +167,7 @@ class ScriptMode:
         watcher = None
         if output.patterns:
             detectors = DetectorSet(build_detectors(self.policy.monitor.detectors))
-            watcher = ScriptWatcher(tap, detectors, HeartbeatWriter(paths.heartbeat))
+            watcher = ScriptWatcher(tap, detectors, HeartbeatWriter(paths.heartbeat), history=history)
         notes = {"lr_scale": start.lr_scale, "segment": index}
         files = self._files(self._steps(tap), notes=notes, parent=start.version.id if start.version else None)
         if self.mlflow == "join":
@@ -174,13 +183,25 @@ class ScriptMode:
         )
         return self.current
 
+    def _branch_to(self, start: Start) -> list[Point]:
+        """The previous segment's points added to the surviving branch, cut at where `start` resumes: the points
+        the detectors of the segment warm up on (none when it starts as first given)."""
+        seg = self.current
+        if seg is not None and seg.watcher is not None:
+            _extend_branch(self.branch, seg.watcher.observed)
+            seg.watcher.observed = []
+        if start.version is None:
+            self.branch = []
+        while self.branch and self.branch[-1].step > start.step:
+            self.branch.pop()  # printed after the version the segment resumes from: abandoned or run again
+        if len(self.branch) > BRANCH_POINTS:
+            del self.branch[: len(self.branch) - BRANCH_POINTS]
+        return list(self.branch)
+
     def _exclude_own(self, paths: SegmentPaths, mlflow_env: Mapping[str, str]) -> None:
-        """The supervisor's own files, never versioned: the lineage directory (where the plan puts the heartbeat),
-        the work directory above it (`<workdir>/lineages/<lineage>`) and a sqlite MLflow store."""
-        lineage = Path(paths.heartbeat).parent
-        own = [lineage]
-        if lineage.parent.name == "lineages":
-            own += [lineage.parent.parent / "lineages", lineage.parent.parent]
+        """The supervisor's own files, never versioned: the lineage directory (where the plan puts the heartbeat)
+        and a sqlite MLflow store (the work directory is given to the constructor's `exclude`)."""
+        own = [Path(paths.heartbeat).parent]
         uri = mlflow_env.get("MLFLOW_TRACKING_URI", "")
         if uri.startswith("sqlite:///"):
             own.append(Path(uri.removeprefix("sqlite://") + "*"))  # the file, its -journal and -wal
@@ -283,6 +304,43 @@ class ScriptMode:
                 "the command's working directory"
             ]
         )
+
+
+def check_command(policy: Any, policy_path: str | Path, command: Sequence[str]) -> None:
+    """Refuse (PolicyError, exit 2) a command whose `--key=V` differs from what `script.relaunch.args` renders for
+    the same key at `lr_scale` 1 with no skip: a mismatched `values` would change the learning rate on every
+    resume. Pure apart from reading the policy file for the line number; run's preflight may call it."""
+    relaunch = policy.script.relaunch
+    problems = []
+    for key, rendered in relaunch.template().options(dict(relaunch.values)):
+        given = [arg.partition("=")[2] for arg in command if arg.startswith(key + "=")]
+        if given and not _same(given[-1], rendered):
+            where = f"{policy_path}:{_line_of(str(policy_path), ('script', 'relaunch', 'args'))}"
+            problems.append(
+                f"{where}: script.relaunch.args: expected {key}= rendered at lr_scale 1 to equal the command's "
+                f"{key}={given[-1]}, got {key}={rendered}; every relaunch would run at {rendered} instead of "
+                f"{given[-1]}: set script.relaunch.values so that it renders {given[-1]}"
+            )
+    if problems:
+        raise PolicyError(problems)
+
+
+def _extend_branch(branch: list[Point], points: Iterable[Point]) -> None:
+    """Add points read in order to `branch`; a step lower than the last one abandons every point at or after
+    it (the script restarted itself from an earlier step), as `report.split_branches` reads MLflow's history."""
+    for point in points:
+        if branch and point.step < branch[-1].step:
+            while branch and branch[-1].step >= point.step:
+                branch.pop()
+        branch.append(point)
+
+
+def _same(given: str, rendered: str) -> bool:
+    """Whether a command's value and a rendered one mean the same (`2e-3` and `0.002` do)."""
+    try:
+        return float(given) == float(rendered)
+    except ValueError:
+        return given == rendered
 
 
 def _line_of(path: str, keys: tuple[str, ...]) -> str:

@@ -13,6 +13,10 @@ newest healthy one after an interrupted supervisor) and appends `script.relaunch
 
 A relaunch from scratch (`allow_scratch` with no checkpoint) runs the command as given: the template's
 arguments name a checkpoint, so none of them can be honoured then.
+
+A version that cannot be put back (a damaged blob or manifest) is skipped, with the reason logged, for the next
+older healthy version of the surviving branch, as the training side's restorer falls back to older commits;
+the relaunch fails only when none is left.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.view import MergedCatalog
+from supervisor.errors import CheckpointError, CheckpointNotFound
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.script.files import Restored, ScriptFiles
 from supervisor.script.template import ArgTemplate
@@ -65,7 +70,7 @@ def plan_start(
         return Start(tuple(command), None, 1.0)
     files.open(baseline=False)
     try:
-        version = files.restore(target, rollback=restore.rollback)
+        version = _restore_or_older(files, target, restore.rollback, allow_nonfinite)
     finally:
         files.close()
     carried = version.notes.get("lr_scale", 1.0)
@@ -80,6 +85,32 @@ def plan_start(
     args = template.render(fields)
     log.info("relaunching the script from checkpoint %s (step %d) with %s", target, version.step, args)
     return Start((*command, *args), version, lr_scale)
+
+
+def _restore_or_older(files: ScriptFiles, target: str, rollback: bool, allow_nonfinite: bool) -> Restored:
+    """Put `target` back, or else the newest older usable version (each failure logged with its reason)."""
+    catalog = MergedCatalog([files.catalog], allow_nonfinite=allow_nonfinite)
+    infos = catalog.list()
+    wanted = next((i for i in infos if i.id == target), None)
+    tries = [target] + [
+        i.id
+        for i in reversed(infos)
+        if wanted is not None and i.seq < wanted.seq and not i.abandoned and (i.healthy or allow_nonfinite)
+    ]
+    reasons = []
+    for cid in tries:
+        try:
+            version = files.restore(cid, rollback=rollback)
+        except CheckpointError as exc:
+            reasons.append(f"{cid}: {exc}")
+            log.warning("Not restoring checkpoint %s (%s); trying the previous one", cid, exc)
+            continue
+        if cid != target:
+            log.warning("relaunching from checkpoint %s instead of %s, which cannot be put back", cid, target)
+        return version
+    raise CheckpointNotFound(
+        f"no version in {files.store_dir} can be put back for the relaunch ({'; '.join(reasons)})"
+    )
 
 
 def _where(files: tuple[str, ...]) -> str:

@@ -88,6 +88,35 @@ class ArgTemplate:
         """The arguments with every field filled in from `values` (which must hold every name used)."""
         return ["".join(p if isinstance(p, str) else p.render(values) for p in item) for item in self.items]
 
+    def preview(self, values: Mapping[str, float]) -> list[str]:
+        """The arguments as a relaunch at `lr_scale` 1 with no skip renders them; fields naming `checkpoint` or
+        `step` (known only at the relaunch) stay as written."""
+        fixed = {**values, "lr_scale": 1.0, "skip_batches": 0}
+        return ["".join(_preview(p, fixed) for p in item) for item in self.items]
+
+    def options(self, values: Mapping[str, float]) -> list[tuple[str, str]]:
+        """(`--key`, value) of each `--key=...` item whose value has fields, none naming `checkpoint` or
+        `step`, rendered at `lr_scale` 1 with no skip: what the first launch's command should already say."""
+        fixed = {**values, "lr_scale": 1.0, "skip_batches": 0}
+        out = []
+        for item in self.items:
+            head = item[0] if item and isinstance(item[0], str) else ""
+            fields = [p for p in item if isinstance(p, Field)]
+            names = {f for p in fields for f in p.factors if isinstance(f, str)}
+            if not head.startswith("-") or "=" not in head or not fields or names & {"checkpoint", "step"}:
+                continue
+            key, _, rest = head.partition("=")
+            out.append((key, rest + "".join(p if isinstance(p, str) else p.render(fixed) for p in item[1:])))
+        return out
+
+
+def _preview(part: Part, values: Mapping[str, object]) -> str:
+    if isinstance(part, str):
+        return part
+    if any(f in ("checkpoint", "step") for f in part.factors):
+        return "{" + " * ".join(str(f) for f in part.factors) + (":" + part.spec if part.spec else "") + "}"
+    return part.render(values)
+
 
 def _split(text: str) -> list[str]:
     """Split like a shell, keeping each `{...}` whole even when it holds spaces (`{lr * lr_scale}`)."""
