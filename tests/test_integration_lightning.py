@@ -52,6 +52,15 @@ def final_state(checkpoints: Path, checkpoint_id: str) -> dict:
     return {"step": info.step, "model": module.state_dict(), "optimizer": opt.state_dict()}
 
 
+def checkpoint_infos(rec: dict) -> list:
+    from supervisor.checkpoint import CheckpointManager, CheckpointOptions
+    from supervisor.state import TrainingState
+
+    options = CheckpointOptions(directory=Path(rec["storage"]["checkpoints"]), async_save=False)
+    with CheckpointManager(options, TrainingState()) as manager:
+        return manager.list()
+
+
 def mlflow_run(rec: dict) -> dict:
     return {"tracking_uri": rec["mlflow"]["tracking_uri"], "mlflow_run_id": rec["mlflow"]["run_id"]}
 
@@ -79,7 +88,9 @@ def uninterrupted(prefect_harness, work):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = record(work, "cli")
-    series = {key: live_series(mlflow_run(rec), key) for key in ("loss", "sample", "lr", "batches")}
+    series = {
+        key: live_series(mlflow_run(rec), key) for key in ("loss", "sample", "lr", "batches", "val_loss")
+    }
     return rec, final_state(Path(rec["storage"]["checkpoints"]), rec["final_checkpoint"]), series
 
 
@@ -128,6 +139,12 @@ def test_sigkill_mid_epoch_then_relaunch_is_bit_identical(uninterrupted, faulted
     # is 16 batches), written synchronously.
     assert last["restore"]["checkpoint_id"].startswith("0000000040-") and last["start_step"] == 40
     assert last["outcome"] == "finished"
+    # Validation runs after step 40 (every 20): the step's decision waited for it, so checkpoint 40 carries the
+    # val_loss of step 40's weights (the value logged at 40), and was taken after validation, so the relaunch
+    # resumed through Lightning's "restarted after validation" path without validating again.
+    (at40,) = [c for c in checkpoint_infos(rec) if c.step == 40]
+    assert at40.metrics["val_loss"] == series["val_loss"][40] and set(series["val_loss"]) == {20, 40}
+    assert sorted(live_series(mlflow_run(rec), "val_loss")) == [20, 40]
     assert_same_state(clean, final)
     resumed = live_series(mlflow_run(rec), "loss")
     assert [resumed[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]

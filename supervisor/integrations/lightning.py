@@ -18,17 +18,20 @@
   is rounded up to end on an optimizer-step boundary (logged). `fit(ckpt_path=...)` is refused, but only once
   the callback runs: Lightning has already loaded (unpickled) that file by then, so do not pass it.
 - **Metrics** logged with `self.log` during a training step reach the core (the in-process detectors and the
-  lineage's MLflow run) at that step. Validation runs after the step's end (`on_train_batch_end`, where the
-  save decision is made), so metrics logged in validation after step k are logged to MLflow at step k but
-  reach the detectors with step k+1's metrics and are filed in the checkpoint of the first save at k+1 or
-  later: a checkpoint at step k+1 carries the val_loss of step k's weights, and a detector watching val_loss
-  sees step k's value at k+1. A user's `MLFlowLogger` logs to the lineage's run when built with
-  `lineage_mlflow_logger()`.
+  lineage's MLflow run) at that step. When validation runs after a batch (`val_check_interval`, an epoch's
+  end), that step's decision (detectors, a due save, a rollback) waits for `on_validation_end`, as Lightning's
+  ModelCheckpoint does: the detectors see the step's val metrics with its training metrics, and its checkpoint
+  carries both and is taken after validation (the RNG streams as the next training step finds them; a
+  relaunch from it resumes through Lightning's own "restarted after validation" path, without validating
+  again). A time-based `val_check_interval` cannot be told in advance: there validation metrics join the next
+  step's. A user's `MLFlowLogger` logs to the lineage's run when built with `lineage_mlflow_logger()`.
 - **In-process rollback.** The core rolls the state back (module, optimizers, schedulers, loop counters, RNG,
   loader, callbacks' state) at the end of a batch; the callback restarts the loop's iterator over the loader,
   drops what the thrown-away batch logged (Lightning's loggers and callback metrics never see it, on-epoch
   aggregates start over from the restored step), skips that batch's validation and ReduceLROnPlateau step,
-  and Lightning goes on as if the restored batch had just ended.
+  and Lightning goes on as if the restored batch had just ended. A rollback decided after validation comes
+  after Lightning has handed that batch's metrics to its loggers (each `log_every_n_steps`) and the
+  validation's to its loggers and callbacks; the callbacks' state is rolled back with the rest.
 - **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `fit()` ends with `SystemExit(75)`;
   SIGUSR2: `SystemExit(3)`; an anomaly left to the supervisor: `SystemExit(76)` (Lightning's own SIGTERM
   handling also ends `fit()` with a `SystemExit`). A run that finishes returns from `fit()` normally.
@@ -62,6 +65,7 @@ from supervisor.data import loader_part
 from supervisor.errors import UserError
 from supervisor.flatten import flatten
 from supervisor.integrations.lightning_loops import (
+    align_batch_progress,
     aligned_skip,
     check_private_apis,
     count_skipped_batch,
@@ -70,6 +74,7 @@ from supervisor.integrations.lightning_loops import (
     rng_kept,
     settle_loops,
     unpatch,
+    validation_follows,
 )
 from supervisor.rng import capture_rng, restore_rng
 from supervisor.runtime.actions import Rollback, SaveDue, Stop
@@ -111,7 +116,8 @@ class RollbackSupervisor(Callback):
         self.core: TrainingCore | None = None
         self._data: _TrainData | None = None
         self._metrics = _NewMetrics()
-        self._carry: dict[str, float] = {}  # validation metrics, joined to the next step's
+        self._carry: dict[str, float] = {}  # validation metrics no step waited for, joined to the next step's
+        self._pending: _Pending | None = None  # a step whose decision waits for its validation
         self._last: dict[str, float] = {}  # the last step's metrics, for the final checkpoint
         self._rng_after_restore: dict[str, Any] | None = None
         self._signals = False
@@ -138,7 +144,7 @@ class RollbackSupervisor(Callback):
             run_name = self.run_name or type(pl_module).__name__
             plan = load_plan(run_name, self.workdir, self.policy)
             config = self.config if self.config is not None else _hparams(pl_module)
-            state = TrainingState()
+            state = _LightningState()
             self._used = True
             self.core = core = TrainingCore(
                 plan, load_session_policy(plan), state, config=config, run_name=run_name
@@ -205,6 +211,7 @@ class RollbackSupervisor(Callback):
     ) -> None:
         core = self.core
         assert core is not None
+        self._flush_pending(trainer)
         core.state.step = trainer.global_step + 1  # the step under way: the drill's faults are keyed by it
         unpatch(trainer)  # a previous rollback's one-shot patch, if its batch ended early
 
@@ -230,14 +237,42 @@ class RollbackSupervisor(Callback):
         metrics = self._metrics.take(trainer.callback_metrics)
         core.log(metrics)
         metrics = {**self._carry, **metrics}
-        self._carry, self._last = {}, metrics
-        action = core.step_ended(step, metrics, final=_final(trainer, step))
+        self._carry = {}
+        final = _final(trainer, step)
+        if validation_follows(trainer):
+            self._pending = _Pending(step, metrics, final)  # decided in on_validation_end
+            return
+        self._decide(trainer, step, metrics, final, batch_ended=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        core = self.core
+        if core is None or trainer.sanity_checking or self._closed:
+            return
+        metrics = self._metrics.take(trainer.callback_metrics)
+        if metrics:
+            core.log(metrics)
+        pending, self._pending = self._pending, None
+        if pending is None:  # a validation not told in advance (time-based): its metrics join the next step's
+            self._carry.update(metrics)
+            self._last = {**self._last, **metrics}
+            return
+        self._decide(trainer, pending.step, {**pending.metrics, **metrics}, pending.final, batch_ended=False)
+
+    def _decide(
+        self, trainer: pl.Trainer, step: int, metrics: dict[str, float], final: bool, *, batch_ended: bool
+    ) -> None:
+        """The step's decision: at its batch's end, or after the validation that followed it."""
+        core = self.core
+        assert core is not None
+        self._last = metrics
+        action = core.step_ended(step, metrics, final=final)
         if isinstance(action, SaveDue):
             core.save(step, metrics)
         elif isinstance(action, Rollback):
             settle_loops(trainer.fit_loop)
+            align_batch_progress(trainer, batch_ended=batch_ended)
             restart_data(trainer, keep_fetched=True)
-            discard_batch(trainer)  # the thrown-away batch's logs, validation and plateau step
+            discard_batch(trainer, validated=not batch_ended)  # its logs, validation and plateau step
             log.warning(
                 "in-process rollback to %s: Lightning resumes at step %d (skipped %d batches, lr x%g)",
                 action.target_id,
@@ -249,14 +284,14 @@ class RollbackSupervisor(Callback):
         if stop is not None:
             self._stop(stop, metrics)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        core = self.core
-        if core is None or trainer.sanity_checking:
-            return
-        metrics = self._metrics.take(trainer.callback_metrics)
-        if metrics:
-            core.log(metrics)
-            self._carry.update(metrics)
+    def _flush_pending(self, trainer: pl.Trainer) -> None:
+        """A step waited for a validation that did not run (none was due after all): decide it now."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            log.info(
+                "step %d: the validation expected after it did not run; deciding without it", pending.step
+            )
+            self._decide(trainer, pending.step, pending.metrics, pending.final, batch_ended=False)
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -274,6 +309,8 @@ class RollbackSupervisor(Callback):
         raise SystemExit(core.exit_code)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._closed:
+            self._flush_pending(trainer)
         self._finish()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -371,7 +408,19 @@ class _ExtrasPart:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state is _NO_EXTRAS:
+            log.warning(
+                "the checkpoint has no 'lightning' part (written before callbacks' state was checkpointed): the "
+                "other callbacks, the datamodule and on_load_checkpoint() start fresh"
+            )
+            return
         saved = state.get("callbacks") or {}
+        log.info(
+            "restored the state of callbacks %s%s and the LightningModule's on_save_checkpoint() keys %s",
+            sorted(saved),
+            " and the datamodule" if state.get("datamodule") else "",
+            sorted(state.get("module") or {}),
+        )
         for cb in self._callbacks():
             if cb.state_key in saved:
                 cb.load_state_dict(saved[cb.state_key])
@@ -379,6 +428,28 @@ class _ExtrasPart:
         if datamodule is not None and state.get("datamodule"):
             datamodule.load_state_dict(state["datamodule"])
         self._module.on_load_checkpoint(dict(state.get("module") or {}))
+
+
+_NO_EXTRAS: dict[
+    str, Any
+] = {}  # what a checkpoint without the "lightning" part restores (compared by identity)
+
+
+class _LightningState(TrainingState):
+    """The training state, where a checkpoint written before the "lightning" part existed (22da26f) still
+    restores: that part alone starts fresh (logged)."""
+
+    def load_state_dict(self, nested: dict[str, Any], *, prefixes: Any = None) -> None:
+        if prefixes is None and "lightning" in self.names and "lightning" not in nested and "model" in nested:
+            nested = {**nested, "lightning": _NO_EXTRAS}
+        super().load_state_dict(nested, prefixes=prefixes)
+
+
+class _Pending:
+    """A step whose decision waits for the validation that runs after its batch."""
+
+    def __init__(self, step: int, metrics: dict[str, float], final: bool):
+        self.step, self.metrics, self.final = step, metrics, final
 
 
 class _TrainData:

@@ -12,6 +12,8 @@ silently gaining a new, unused attribute. Written against `SUPPORTED_LIGHTNING`.
 | every loop                    | `_resuming_from_checkpoint`    | cleared after an in-process restore          |
 | fit loop                      | `_data_fetcher`                | restarted over the loader's restored position |
 | fit loop's epoch loop         | `_skip_next_val`               | no validation for a thrown-away batch        |
+| fit loop's epoch loop         | `_should_check_val_fx`         | whether validation runs after this batch     |
+| trainer                       | `_val_check_time_interval`     | a time-based validation cannot be foreseen   |
 | fit loop's epoch loop         | `_results`                     | the thrown-away batch's logged results       |
 | trainer                       | `_logger_connector`            | its `reset_results()` and metric caches      |
 | logger connector              | `_first_loop_iter`             | kept across `reset_results()`                |
@@ -48,6 +50,8 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("epoch_loop", "_loaded_from_state_dict"),
     ("epoch_loop", "_resuming_from_checkpoint"),
     ("epoch_loop", "_skip_next_val"),
+    ("epoch_loop", "_should_check_val_fx"),
+    ("trainer", "_val_check_time_interval"),
     ("epoch_loop", "_results"),
     ("epoch_loop", "scheduler_progress"),
     ("epoch_loop", "update_lr_schedulers"),
@@ -130,6 +134,33 @@ def aligned_skip(trainer: pl.Trainer, n: int) -> int:
             return skip
 
 
+def validation_follows(trainer: pl.Trainer) -> bool:
+    """Whether the epoch loop validates right after the batch now ending (asked from `on_train_batch_end`).
+
+    Lightning's own test, minus a time-based `val_check_interval` (its answer changes with the clock).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None or not trainer.enable_validation or epoch_loop._skip_next_val:
+        return False
+    if trainer._val_check_time_interval is not None:
+        return False
+    return bool(epoch_loop._should_check_val_fx(fetcher))
+
+
+def align_batch_progress(trainer: pl.Trainer, *, batch_ended: bool) -> None:
+    """After an in-process restore: the batch counters as the hook the loop is in expects them.
+
+    A checkpoint is taken at a batch's end (the batch not yet counted completed) or after the validation
+    that followed it (counted); Lightning counts the batch completed right after `on_train_batch_end`, and
+    not again after `on_validation_end`.
+    """
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    lag = 1 if batches.current.processed and batch_ended else 0
+    batches.current.completed = batches.current.processed - lag
+    batches.total.completed = batches.total.processed - (1 if batches.total.processed and batch_ended else 0)
+
+
 def restart_data(trainer: pl.Trainer, *, keep_fetched: bool) -> None:
     """Restart the fit loop's iterator over the train loader, from the loader's (restored) position."""
     fetcher = trainer.fit_loop._data_fetcher
@@ -152,15 +183,16 @@ def settle_loops(loop: _Loop) -> None:
             settle_loops(child)
 
 
-def discard_batch(trainer: pl.Trainer) -> None:
+def discard_batch(trainer: pl.Trainer, *, validated: bool = False) -> None:
     """The batch just ended was rolled back: what it logged must not reach Lightning's loggers or monitors.
 
     Called from `on_train_batch_end`, before Lightning moves the batch's results to its loggers
-    (`update_train_step_metrics`) and runs `on_advance_end`. Drops the batch's values from the logger
-    connector's caches, resets the epoch loop's result collection (so on-epoch aggregates start over from the
-    rolled-back-to step: they cover the batches trained since), skips the validation this batch would have run
-    and the plateau-scheduler step that follows it (the restored scheduler must not step on a thrown-away
-    batch).
+    (`update_train_step_metrics`) and runs `on_advance_end`, or (`validated`) from `on_validation_end`, after
+    the validation that followed it (its results already went to the loggers). Drops the batch's values from
+    the logger connector's caches, resets the epoch loop's result collection (so on-epoch aggregates start
+    over from the rolled-back-to step: they cover the batches trained since), skips the validation this batch
+    would have run and the plateau-scheduler step that follows it (the restored scheduler must not step on a
+    thrown-away batch).
     """
     connector = trainer._logger_connector
     results = trainer.fit_loop.epoch_loop._results
@@ -173,11 +205,12 @@ def discard_batch(trainer: pl.Trainer) -> None:
     ):
         for key in batch[kind]:
             cache.pop(key, None)
-    connector.reset_results()
-    results.reset()
-    connector._first_loop_iter = first  # the loop's batch-end hooks expect a bool here
     epoch_loop = trainer.fit_loop.epoch_loop
-    epoch_loop._skip_next_val = True
+    if not validated:
+        connector.reset_results()
+        connector._first_loop_iter = first  # the loop's batch-end hooks expect a bool here
+        epoch_loop._skip_next_val = True
+    results.reset()
     _skip_next_plateau_step(epoch_loop)
 
 
