@@ -418,6 +418,24 @@ def test_steps_from_names_version_each_step_and_a_restore_removes_newer_files(tm
     assert sorted(p.name for p in (root / "ckpts").iterdir()) == ["notes.pt", "step_10.pt"]
 
 
+def test_a_restore_moves_a_newer_file_the_store_lacks_aside_instead_of_deleting_it(tmp_path):
+    """Nothing is lost: step_30.pt was written after the last scan (never versioned), so the rollback moves it
+    under the store's aside/ directory, byte-identical; step_20.pt, which the store holds, is removed."""
+    root, store = tmp_path / "run", tmp_path / "store"
+    files = ScriptFiles(root, "ckpts/*.pt", store, NameStep(r"step_(?P<step>\d+)\.pt$"), settle_seconds=0)
+    with files:
+        _save(root / "ckpts" / "step_10.pt", 1.0, 10)
+        _save(root / "ckpts" / "step_20.pt", 2.0, 20)
+        v10, _ = files.scan(final=True)
+        unversioned = _save(root / "ckpts" / "step_30.pt", 3.0, 30)
+        files.restore(v10, rollback=True)
+    assert sorted(p.name for p in (root / "ckpts").iterdir()) == ["step_10.pt"]
+    (aside,) = (p for p in (store / "aside").rglob("*") if p.is_file())
+    assert aside.name == "step_30.pt" and aside.read_bytes() == unversioned
+    assert aside.relative_to(store / "aside").parts[0].startswith(v10)
+    assert [i.step for i in open_store(store).list()] == [10, 20]  # the aside file is no checkpoint
+
+
 def test_a_sidecar_names_the_step(tmp_path):
     root = tmp_path / "run"
     files = ScriptFiles(

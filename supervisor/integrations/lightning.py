@@ -154,8 +154,8 @@ class RollbackSupervisor(Callback):
                 self._register(trainer, pl_module)
                 _check_mlflow_loggers(trainer, plan.run_id)
                 info = core.restore()
-            except BaseException:
-                core.fail()
+            except BaseException as exc:
+                core.fail(exit_code=exc.exit_code if isinstance(exc, UserError) else exitcodes.EXIT_FAILED)
                 self._close()
                 raise
         if info is not None or core.plan.restore.skip_batches:
@@ -343,7 +343,9 @@ class RollbackSupervisor(Callback):
             core.stopped(Stop("SIGTERM", exitcodes.EXIT_PREEMPTED, checkpoint=True), saved=False)
             self._close()
             raise SystemExit(core.exit_code)  # Lightning's own exception would exit 0
-        core.fail()
+        core.fail(
+            exit_code=exception.exit_code if isinstance(exception, UserError) else exitcodes.EXIT_FAILED
+        )
         self._close()
 
     def _close(self) -> None:

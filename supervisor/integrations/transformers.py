@@ -157,7 +157,7 @@ def _user_errors(event: _Event) -> _Event:
         try:
             event(self, *args, **kwargs)
         except UserError as exc:
-            self._abandon()
+            self._abandon(exc.exit_code)
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(exc.exit_code) from None
 
@@ -442,10 +442,11 @@ class RollbackSupervisorCallback(TrainerCallback):
         finally:
             core.restore_signal_handlers()
 
-    def _abandon(self) -> None:
-        """At exit after an exception escaped `train()`: the segment failed; close what it opened."""
+    def _abandon(self, exit_code: int = exitcodes.EXIT_FAILED) -> None:
+        """At exit after an exception escaped `train()` (or a set-up mistake: exit 2): the segment failed; close
+        what it opened."""
         if self.core is not None and not self._closed:
-            self.core.fail()
+            self.core.fail(exit_code=exit_code)
             self._close()
 
     def _need(self) -> TrainingCore:

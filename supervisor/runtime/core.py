@@ -287,9 +287,10 @@ class TrainingCore:
         """The driver left the loop for `stop` (and wrote its checkpoint if it asked for one): the exit code."""
         return self.outcome.stopped(stop, self.state.step, saved=saved, seconds=seconds)
 
-    def fail(self, reason: str | None = None) -> None:
-        """The segment failed (an exception, or its final checkpoint did not land): exit 1 unless already set."""
-        self.outcome.fail(reason)
+    def fail(self, reason: str | None = None, exit_code: int = exitcodes.EXIT_FAILED) -> None:
+        """The segment failed (an exception, or its final checkpoint did not land): `exit_code` (1; 2 for a
+        user's mistake) unless already set."""
+        self.outcome.fail(reason, exit_code)
 
     @property
     def rollbacks_in_process(self) -> int:

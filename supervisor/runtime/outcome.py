@@ -54,9 +54,10 @@ class SegmentOutcome:
         self.exit_code = stop.exit_code
         return self.exit_code
 
-    def fail(self, reason: str | None = None) -> None:
-        """The segment failed (an exception, or its final checkpoint did not land): exit 1 unless already set."""
+    def fail(self, reason: str | None = None, exit_code: int = exitcodes.EXIT_FAILED) -> None:
+        """The segment failed (an exception, or its final checkpoint did not land): `exit_code` (1; 2 for a
+        user's mistake) unless already set."""
         if reason:
             log.error("%s", reason)
         if self.exit_code == exitcodes.EXIT_OK:
-            self.exit_code = exitcodes.EXIT_FAILED
+            self.exit_code = exit_code

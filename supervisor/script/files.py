@@ -28,8 +28,9 @@ resolves there; a file resolving into the supervisor's own files is never matche
 checked against its digest (a damaged blob is a `CheckpointCorrupt` before any file in place changed; the
 caller falls back to the next older version), then renamed over it (atomic), unless the bytes in place
 already match; matched files that are newer than the version (a
-later step, or absent from a snapshot) are removed, so a script that resumes from the newest file it finds
-resumes from the chosen one; on a rollback, every version committed after the target is marked abandoned.
+later step, or absent from a snapshot) are taken out of the way, so a script that resumes from the newest file
+it finds resumes from the chosen one: removed when the store holds their bytes, else moved under `aside/` in the
+store directory (nothing is lost); on a rollback, every version committed after the target is marked abandoned.
 
 Not thread-safe: one owner (the scanner thread, or the runner between segments) drives it.
 """
@@ -68,6 +69,8 @@ log = logging.getLogger("rollback_supervisor.script")
 
 #: Temp files of a restore end so; a scan never versions them.
 TMP_SUFFIX = ".rollback-supervisor-tmp"
+#: Under the store directory: matched files a restore took out of the way whose bytes no version holds.
+ASIDE = "aside"
 #: state.json of a version says what it is.
 KIND = "script-files"
 #: Scans a matched file may stay pending (changed, not versioned) before a warning says so.
@@ -573,9 +576,7 @@ class ScriptFiles:
             )
         notes = {k: v for k, v in state.items() if k not in ("kind", "files", "resolved")}
         for rel in self._newer(manifest):
-            (self.root / rel).unlink(missing_ok=True)
-            self.known.pop(rel, None)
-            log.info("Removed %s: newer than checkpoint %s, which the run goes back to", rel, checkpoint_id)
+            self._put_aside(rel, checkpoint_id)
         if rollback:
             target = catalog.get(checkpoint_id)
             for info in catalog.list():
@@ -585,6 +586,43 @@ class ScriptFiles:
             self._reindex()
         self.parent_id = checkpoint_id
         return Restored(checkpoint_id, manifest.step, tuple(sorted(manifest.tensors)), notes)
+
+    def _put_aside(self, rel: str, checkpoint_id: str) -> None:
+        """Take a matched file newer than the restored version out of the script's way without losing it:
+        removed when the store holds its bytes (a version still has them), else moved under `ASIDE` in the
+        store directory, where no scan matches it and nothing deletes it."""
+        path = self.root / rel
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self.known.pop(rel, None)
+            return
+        held = self.known.get(rel)
+        digest = held[1] if held is not None and held[0] == Signature.of(st) else None
+        if digest is None and stat.S_ISREG(st.st_mode):
+            try:
+                digest, _ = opaque.file_digest(path)
+            except OSError:
+                digest = None
+        self.known.pop(rel, None)
+        if digest is not None and digest in self._index:
+            path.unlink(missing_ok=True)
+            log.info(
+                "Removed %s: newer than checkpoint %s, which the run goes back to; the store holds its bytes",
+                rel,
+                checkpoint_id,
+            )
+            return
+        dest = self.store_dir / ASIDE / f"{checkpoint_id}-{time.strftime('%Y%m%dT%H%M%S')}" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, dest)  # a rename on one filesystem, a copy then unlink across two
+        log.warning(
+            "Moved %s to %s: newer than checkpoint %s, which the run goes back to, and no version of the store "
+            "holds its bytes (delete it once it is not needed)",
+            rel,
+            dest,
+            checkpoint_id,
+        )
 
     def _state(self, catalog: Catalog, checkpoint_id: str) -> dict[str, Any]:
         try:
