@@ -56,21 +56,24 @@ _STEP_DOCS = {
 
 
 @task(cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
-def publish(lineage: str, table: str, decision: dict[str, Any] | None) -> None:
-    """Versioned event table (stable artifact key per lineage) and a Prefect event per decision."""
+def publish(
+    lineage: str, table: str, decision: dict[str, Any] | None, in_process: list[dict[str, Any]] | None = None
+) -> None:
+    """Versioned event table (stable artifact key per lineage) and a Prefect event per decision: first those
+    the training process took itself during the segment (payload `in_process: true`), then the segment's."""
     create_markdown_artifact(
         key=artifact_key(lineage),
         markdown=table,
         description=f"rollback-supervisor: {lineage}",
     )
-    if decision is not None:
+    for taken in [*(in_process or []), *([decision] if decision is not None else [])]:
         emit_event(
-            event=f"rollback-supervisor.{decision['action']}",
+            event=f"rollback-supervisor.{taken['action']}",
             resource={
                 "prefect.resource.id": f"rollback-supervisor.lineage.{lineage}",
                 "prefect.resource.name": lineage,
             },
-            payload=decision,
+            payload=taken,
         )
 
 
@@ -92,10 +95,18 @@ def write_report(record: dict[str, Any], lineage_dir: str) -> None:
         get_run_logger().warning("could not write the MLflow report: %s", exc)
 
 
-def _publish(record: LineageRecord, decision: dict[str, Any] | None) -> None:
+def _publish(record: LineageRecord, decision: dict[str, Any] | None, *, segment_ended: bool = False) -> None:
+    """The table and the decisions; after a segment, also the rollbacks its training process took in place
+    (the supervisor learns of those when the segment ends)."""
     from supervisor.report import markdown_table
 
-    publish(record.lineage, markdown_table(record), decision)
+    in_process = []
+    if segment_ended and record.segments:
+        seg = record.segments[-1]
+        for rec in seg.in_process:
+            if isinstance(rec.get("decision"), dict):
+                in_process.append({**rec["decision"], "in_process": True, "segment": seg.index})
+    publish(record.lineage, markdown_table(record), decision, in_process)
 
 
 def artifact_key(lineage: str) -> str:
@@ -135,7 +146,7 @@ def supervised_training(
     steps = TaskSteps()
 
     def on_decision(decision, record: LineageRecord) -> Outcome | None:
-        _publish(record, decision.to_dict() if decision else None)
+        _publish(record, decision.to_dict() if decision else None, segment_ended=True)
         return None
 
     with LineageRunner(options) as runner:

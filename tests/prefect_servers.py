@@ -30,8 +30,9 @@ PREFECT = [sys.executable, "-m", "prefect"]
 class PrefectServer:
     """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME (sqlite) under `root`."""
 
-    def __init__(self, root: Path, port: int | None = None):
+    def __init__(self, root: Path, port: int | None = None, *, ui: bool = False):
         self.root = Path(root)
+        self.ui = ui  #: serve Prefect's web UI (off by default: the tests that need a browser turn it on)
         self.home = self.root / "prefect-home"
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -45,6 +46,9 @@ class PrefectServer:
     def env(self, **extra: str) -> dict[str, str]:
         """Environment for any process that should talk to this server (CLI, worker, and its flow runs)."""
         env = {**os.environ, **QUIET, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url}
+        env["PREFECT_UI_URL"] = f"http://127.0.0.1:{self.port}"  # for the links Automations template
+        if self.ui:
+            env["PREFECT_SERVER_UI_ENABLED"] = "true"
         env.pop("PREFECT_PROFILE", None)
         return {**env, **extra}
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +211,114 @@ def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(sta
     # The resumed segment logs every step after its checkpoint into the same MLflow run.
     steps = {step for step, _ in _metric_steps(record, "loss")}
     assert set(range(restored[-1] + 1, 61)) <= steps and max(steps) == 60
+
+
+NOTIFY_POLICY = """\
+version: 1
+name: notify-test
+checkpoint:
+  every_steps: 20
+  keep_last: 3
+  async: true
+  memory_slots: 2
+  storage: ./checkpoints
+  verify: fast
+monitor:
+  poll_seconds: 0.5
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+rules:
+  - when: [non_finite]
+    action: rollback
+    target: {select: latest}
+    skip_batches: 5
+    lr_scale: 0.5
+  - when: [preemption, hardware_fault, unknown_exit]
+    action: resume
+    target: {select: latest}
+  - when: [software_error, oom]
+    action: fail
+limits:
+  max_rollbacks: 2
+  max_restarts: 2
+  backoff: {initial_seconds: 0.1, max_seconds: 1, multiplier: 2, jitter: false}
+"""
+
+
+class _Hook(BaseHTTPRequestHandler):
+    bodies: list[bytes]
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.bodies.append(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_notify_automation_posts_each_rollback_to_the_webhook(stack: Stack, tmp_path: Path):
+    """`notify install` against the real server; a NaN rolled back in process reaches the webhook with the
+    lineage, event, step, decision and a link to the flow run."""
+    bodies: list[bytes] = []
+    handler = type("Hook", (_Hook,), {"bodies": bodies})
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=hook.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{hook.server_port}/rollbacks"
+        for _ in range(2):  # installing again replaces the automation, never duplicates it
+            out = subprocess.run(
+                [sys.executable, "-m", "supervisor.cli", "notify", "install", "--url", url],
+                cwd=REPO, env=stack.server.env(), capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert out.returncode == 0, out.stderr[-3000:]
+        named = [
+            a
+            for a in stack.server.post("/automations/filter")
+            if a["name"] == "rollback-supervisor-notify-on-rollback"
+        ]
+        assert len(named) == 1, named
+
+        lineage = "notify-e2e"
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(NOTIFY_POLICY)
+        workdir = tmp_path / "rollback"
+        params = {"stop_grace_seconds": 10, "env": {"ROLLBACK_SUPERVISOR_FAULTS": "nan@30"}}
+        out_text = stack.server.cli(
+            "deployment", "run", DEPLOYMENT,
+            "--param", f"command={COMMAND}",
+            "--param", f"policy={policy}",
+            "--param", f"lineage={lineage}",
+            "--param", f"workdir={workdir}",
+            "--params", json.dumps(params),
+        )  # fmt: skip
+        match = UUID_RE.search(out_text.split("UUID", 1)[-1])
+        assert match, out_text
+        flow_run_id = match.group(0)
+        done = stack.server.wait_flow_run(flow_run_id, timeout=400)
+        assert done["state"]["type"] == "COMPLETED", f"{done['state']}\n{stack.diagnostics(workdir, lineage)}"
+        deadline = time.monotonic() + 60
+        while not bodies:
+            assert time.monotonic() < deadline, "the Automation posted nothing to the webhook"
+            time.sleep(0.5)
+    finally:
+        hook.shutdown()
+        hook.server_close()
+        thread.join(timeout=5)
+
+    (body,) = bodies  # one rollback, one message
+    message = json.loads(body)
+    record = _record(workdir, lineage)
+    (taken,) = [rec for seg in record["segments"] for rec in seg["in_process"]]
+    decision = taken["decision"]
+    assert message["lineage"] == lineage
+    assert message["action"] == "rollback" and message["event"] == "non_finite"
+    assert message["step"] == decision["event"]["step"] and 30 <= message["step"] <= 31  # the NaN's step
+    assert message["onset_step"] == decision["event"]["onset_step"]
+    assert message["target_step"] == decision["target_step"] == 20
+    assert message["target_checkpoint"] == decision["target_id"]
+    assert message["skip_batches"] == 5 and message["lr_scale"] == 0.5
+    assert message["reason"] == decision["reason"]
+    assert message["flow_run_id"] == flow_run_id
+    assert message["flow_run_url"] == f"{stack.server.env()['PREFECT_UI_URL']}/runs/flow-run/{flow_run_id}"
