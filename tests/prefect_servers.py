@@ -47,8 +47,9 @@ class PrefectServer:
         """Environment for any process that should talk to this server (CLI, worker, and its flow runs)."""
         env = {**os.environ, **QUIET, "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url}
         env["PREFECT_UI_URL"] = f"http://127.0.0.1:{self.port}"  # for the links Automations template
-        if self.ui:
+        if self.ui:  # the UI's JavaScript calls the API at this address (default: port 4200)
             env["PREFECT_SERVER_UI_ENABLED"] = "true"
+            env["PREFECT_UI_API_URL"] = self.api_url
         env.pop("PREFECT_PROFILE", None)
         return {**env, **extra}
 
