@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "supervisor.script.template", "supervisor.script.output",
     ),
     ("supervisor.data",),
-    ("supervisor.state",),
+    ("supervisor.state", "supervisor.sharded_state"),
     ("supervisor.checkpoint",),
     ("policies",),
     ("supervisor.monitor", "supervisor.tracking", "supervisor.lineage", "supervisor.launcher"),

@@ -29,6 +29,7 @@ from supervisor.errors import UnsupportedStateError
 
 if TYPE_CHECKING:
     from supervisor.checkpoint.manager import CheckpointManager
+    from supervisor.checkpoint.sharded import ShardedCheckpoints
 
 __all__ = [
     "AnyOf",
@@ -44,6 +45,7 @@ __all__ = [
     "KeepProtected",
     "RetentionPolicy",
     "RetentionResult",
+    "ShardedCheckpoints",
     "UnsupportedStateError",
     "apply_retention",
     "open_store",
@@ -55,4 +57,8 @@ def __getattr__(name: str) -> Any:
         from supervisor.checkpoint.manager import CheckpointManager
 
         return CheckpointManager
+    if name == "ShardedCheckpoints":
+        from supervisor.checkpoint.sharded import ShardedCheckpoints
+
+        return ShardedCheckpoints
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ import fsspec
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
+from supervisor.checkpoint.dcp_format import sharded_problem
 from supervisor.checkpoint.lock import lock_probe
 from supervisor.checkpoint.manifest import (
     ABANDONED,
@@ -253,6 +254,8 @@ class Catalog:
             return f"not committed: {MARKER} marker missing"
         if mode == "none":
             return None
+        if reason := sharded_problem(manifest):  # every chunk listed, and together they tile each tensor
+            return reason
         listed = {f.path for f in manifest.files}
         for blob in sorted(manifest.blobs() - listed):
             return f"{MANIFEST} references {blob} without a checksum"

@@ -93,8 +93,17 @@ class LocalStore:
         os.makedirs(staged)
         return staged
 
-    def commit(self, checkpoint_id: str, staged: str, manifest_raw: bytes, blobs: list[str]) -> str:
+    def commit(
+        self,
+        checkpoint_id: str,
+        staged: str,
+        manifest_raw: bytes,
+        blobs: list[str],
+        marker: bytes | None = None,
+    ) -> str:
         """Make `staged` checkpoint `checkpoint_id`, atomically; `blobs` are its new blob file names.
+
+        `marker` replaces the default marker content (a sharded commit pins its world size and files too).
 
         Nothing that exists is ever replaced or removed: an existing checkpoint or blob of the same name refuses
         the commit before anything moves. A failure before the marker is written undoes what this commit
@@ -121,7 +130,8 @@ class LocalStore:
             os.rename(staged, final)
             renamed = True
             fsync_dir(self.root)
-            write_file(os.path.join(final, MARKER), marker_bytes(manifest_raw, checkpoint_id), exclusive=True)
+            marker = marker or marker_bytes(manifest_raw, checkpoint_id)
+            write_file(os.path.join(final, MARKER), marker, exclusive=True)
             marked = True
             fsync_dir(final)
         except BaseException:

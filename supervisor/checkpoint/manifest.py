@@ -16,7 +16,11 @@ from supervisor.checkpoint.paths import LeavesStore, name_leaves
 from supervisor.checkpoint.safetensors_header import ITEMSIZE, shape_bytes
 from supervisor.checkpoint.typedjson import Schema
 
+#: What an unsharded save writes, so that readers older than sharded checkpoints still read it.
 FORMAT_VERSION = 1
+#: What a sharded (DCP) save writes: chunks of tensors, one blob per rank (issue 17).
+SHARDED_FORMAT_VERSION = 2
+_SHARDED_FIELDS = ("world_size", "sharded", "rank_files")
 MANIFEST = "manifest.json"
 STATE = "state.json"
 MARKER = "COMMITTED"
@@ -51,6 +55,24 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a sharded tensor: where it starts, its extent, and its key in `Manifest.tensors`."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    key: str
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """A tensor of a sharded checkpoint: its global dtype and size, and the chunks that tile it."""
+
+    dtype: str
+    size: tuple[int, ...]
+    chunks: list[Chunk]
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything needed to find, verify and describe one checkpoint."""
 
@@ -70,9 +92,18 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     nonfinite: list[str] = field(default_factory=list)
     """Tensors that held a NaN or an infinity when the snapshot was taken: the checkpoint is unhealthy."""
+    world_size: int = 1
+    sharded: dict[str, ShardedTensor] = field(default_factory=dict)
+    """Sharded checkpoints only: each tensor's chunks; `tensors` is then keyed by chunk key."""
+    rank_files: dict[str, str] = field(default_factory=dict)
+    """Sharded checkpoints only: each saving rank's own JSON state (RNG, loader), by rank."""
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
+        data = asdict(self)
+        if not self.sharded:  # an unsharded manifest keeps format 1's fields, so older readers still read it
+            for name in _SHARDED_FIELDS:
+                del data[name]
+        return json.dumps(data, indent=1, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Manifest:
@@ -81,8 +112,10 @@ class Manifest:
         if not isinstance(data, dict):
             raise ValueError(f"{MANIFEST}: expected an object, found {_kind(data)}")
         version = data.get("format_version")
-        if type(version) is not int or version > FORMAT_VERSION:
-            raise ValueError(f"{MANIFEST}: format_version {version!r} is not supported (<= {FORMAT_VERSION})")
+        if type(version) is not int or version > SHARDED_FORMAT_VERSION:
+            raise ValueError(
+                f"{MANIFEST}: format_version {version!r} is not supported (<= {SHARDED_FORMAT_VERSION})"
+            )
         manifest = _SCHEMA.build(cls, data)
         manifest.check_entries()
         return manifest
@@ -112,12 +145,33 @@ def _kind(value: Any) -> str:
     return names.get(type(value), "a number")
 
 
-_SCHEMA = Schema(MANIFEST, [FileEntry, TensorRef], counts=["seq", "size", "nbytes", "written_bytes", "shape"])
+_SCHEMA = Schema(
+    MANIFEST,
+    [FileEntry, TensorRef, Chunk, ShardedTensor],
+    counts=["seq", "size", "nbytes", "written_bytes", "shape", "world_size", "offsets", "sizes"],
+)
 
 
-def marker_bytes(manifest_raw: bytes, checkpoint_id: str) -> bytes:
-    """COMMITTED marker content: it pins the manifest's checksum, so a later edit is detected."""
-    return json.dumps({"id": checkpoint_id, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
+def marker_bytes(
+    manifest_raw: bytes, checkpoint_id: str, world_size: int | None = None, files_xxh3: str | None = None
+) -> bytes:
+    """COMMITTED marker content: it pins the manifest's checksum, so a later edit is detected.
+
+    A sharded commit also records its world size and `files_digest` of every rank's files (one fixed-size
+    field, so the marker stays under MAX_MARKER at any world size).
+    """
+    marker: dict[str, object] = {"id": checkpoint_id, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}
+    if world_size is not None:
+        marker["world_size"] = world_size
+    if files_xxh3 is not None:
+        marker["files_xxh3"] = files_xxh3
+    return json.dumps(marker).encode()
+
+
+def files_digest(files: list[FileEntry]) -> str:
+    """xxh3-64 over the sorted `path:xxh3` lines of a checkpoint's files (what a sharded marker pins)."""
+    lines = sorted(f"{f.path}:{f.xxh3}" for f in files)
+    return xxhash.xxh3_64_hexdigest("\n".join(lines).encode())
 
 
 def marker_pin(marker_raw: bytes | None) -> str | None:

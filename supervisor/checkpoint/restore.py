@@ -93,6 +93,9 @@ def restore_local(
         skeleton = loads_bounded(state_raw, max_depth=_MAX_STATE_DEPTH, what=state_rel)
     except ValueError as exc:
         raise CheckpointCorrupt(cid, str(exc)) from None
+    if manifest.sharded:  # a sharded (DCP) checkpoint: its chunks are resharded for this one process
+        _restore_sharded(catalog, manifest, state, skeleton, prefixes, verify)
+        return
     readers: dict[str, BlobReader] = {}
     try:
         reads = _plan(cid, catalog, manifest, skeleton, prefixes, readers)
@@ -114,6 +117,25 @@ def restore_local(
     finally:
         for reader in readers.values():
             reader.close()
+
+
+def _restore_sharded(
+    catalog: Catalog,
+    manifest: Manifest,
+    state: CheckpointableState,
+    skeleton: object,
+    prefixes: Iterable[str] | None,
+    verify: str,
+) -> None:
+    # DCP's import is paid only by sharded restores.
+    from supervisor.checkpoint.dcp_reader import restore_chunks
+
+    try:
+        names = [n for n, _ in _selected(skeleton, prefixes)]
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointCorrupt(manifest.id, f"{STATE} is malformed ({type(exc).__name__}: {exc})") from None
+    tensors = restore_chunks(catalog, manifest, names, state.live_tensors(), verify)
+    state.load(unflatten(skeleton, tensors), prefixes)
 
 
 def _plan(

@@ -1,0 +1,299 @@
+"""`ShardedCheckpoints`: every rank's synchronous save and restore of a sharded state through DCP, in our store.
+
+Every rank writes its own shards; rank 0 owns the store (its lock, retention, the commit). The local store must
+be one directory that every rank sees. Calls are collective: every rank of `process_group` makes the same
+calls in the same order. Not thread-safe; use from the training thread.
+
+Two kinds of failure, told apart because they call for different actions:
+- `CheckpointError`: the save failed on some rank (disk full, a bad tensor) and every rank knows it in
+  lockstep; nothing was committed, and training may go on.
+- `RankLost`: a collective of the checkpoint group failed (a peer died, or hung past the group's timeout). The
+  group is unusable from then on: the process should exit and be relaunched from the last commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import fsspec
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from supervisor.checkpoint.catalog import Catalog
+from supervisor.checkpoint.dcp_reader import load_tensors, read_skeleton, unwrap
+from supervisor.checkpoint.dcp_writer import CommitJob, SaveRefused, ShardWriter, discard, rank_file
+from supervisor.checkpoint.local import LocalStore
+from supervisor.checkpoint.manifest import Manifest, library_versions
+from supervisor.checkpoint.options import make_id, parse_id
+from supervisor.checkpoint.retention import RetentionPolicy
+from supervisor.checkpoint.writer import CheckpointMeta
+from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, SupervisorError
+from supervisor.flatten import unflatten
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
+
+
+class RankLost(SupervisorError):
+    """A peer of the checkpoint group died or timed out in a collective; relaunch from the last commit."""
+
+
+def checkpoint_group(timeout_s: float) -> Any:
+    """A gloo group of every rank for checkpoint collectives, with a bounded timeout (collective: call on
+    every rank in the same order). Keeping it off the training group avoids racing the training collectives,
+    and the bound turns a hung peer into RankLost instead of a hang."""
+    if not timeout_s > 0:
+        raise CheckpointError(
+            f"checkpoint collective timeout: expected a number of seconds > 0, got {timeout_s!r}"
+        )
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _lost(what: str, exc: BaseException) -> RankLost:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return RankLost(f"{what}: a rank of the checkpoint group was lost or timed out ({reason}); relaunch")
+
+
+class ShardedState(Protocol):
+    """What `ShardedCheckpoints` asks of a sharded training state (see `supervisor.sharded_state`)."""
+
+    def snapshot(self) -> tuple[Any, dict[str, Any]]:
+        """(JSON skeleton, {name: Tensor | DTensor}) aliasing live memory."""
+        ...
+
+    def load(self, nested: dict[str, Any]) -> None: ...
+
+    def rank_state(self) -> Any:
+        """This rank's own JSON-able state (RNG streams)."""
+        ...
+
+    def load_rank_state(self, saved: Any) -> None: ...
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_sharded(
+    root: str,
+    flat: Mapping[str, Any],
+    rank_raw: bytes,
+    job: CommitJob | None,
+    *,
+    process_group: Any = None,
+    no_dist: bool = False,
+    phase_hook: Callable[[str, int], None] | None = None,
+) -> str:
+    """One sharded save of `flat` ({name: Tensor | DTensor}) through DCP into the store at `root`, from every
+    rank (rank 0 passes the `job` and commits); returns the checkpoint id. A failure on any rank raises
+    CheckpointError on every rank, a lost peer RankLost; either way rank 0 removes what was staged."""
+    writer = ShardWriter(root, rank_raw, job, phase_hook)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist says so
+            dcp.save(
+                dict(flat),
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        raise unwrap(exc, job.meta.id if job else writer.saved_id or "(being planned)") from None
+    except RuntimeError as exc:  # a collective failed (gloo's error, or DistError): not the save's own fault
+        if no_dist or isinstance(exc, CheckpointError):
+            raise
+        raise _lost(f"save {job.meta.id if job else writer.saved_id or '(being planned)'}", exc) from exc
+    finally:
+        if job is not None:
+            discard(job)
+    assert writer.saved_id is not None
+    return writer.saved_id
+
+
+class ShardedCheckpoints:
+    """Sharded checkpoints of one store, on every rank of `process_group`.
+
+    Without a `process_group`, a distributed run gets a gloo group of its own with `collective_timeout_s`
+    (`checkpoint_group`). `phase_hook(phase, rank)` is called at each step of the save protocol
+    (`dcp_writer.PHASES`): crash tests kill a rank there with a real signal.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        process_group: Any = None,
+        collective_timeout_s: float = 60.0,
+        retention: RetentionPolicy | None = None,
+        gate: Callable[[str], str | None] | None = None,
+        verify: str = "full",
+        phase_hook: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.root = os.path.abspath(os.fspath(directory))
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if process_group is None and self.distributed:
+            process_group = checkpoint_group(collective_timeout_s)
+        self.group = process_group
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.retention, self.verify, self._hook, self._clock = retention, verify, phase_hook, clock
+        self.gate = gate
+        self.store = LocalStore(self.root) if self.rank == 0 else None
+        if self.distributed:
+            try:
+                dist.barrier(group=process_group)  # the store directory exists before any other rank reads it
+            except RuntimeError as exc:
+                raise _lost(f"opening {self.root}", exc) from exc
+        self.catalog = self.store.catalog if self.store else Catalog(fsspec.filesystem("file"), self.root)
+
+    def save(self, step: int, state: ShardedState, metrics: Mapping[str, float] | None = None) -> str | None:
+        """Write and commit checkpoint `step` from every rank; returns its id, or None when rank 0's `gate`
+        refused it (on every rank alike). CheckpointError on any failure, on every rank together (nothing
+        committed); RankLost when a peer is gone."""
+        t0 = time.monotonic()
+        skeleton, flat = state.snapshot()
+        job = self._job(step, skeleton, metrics) if self.rank == 0 else None
+        try:
+            cid = write_sharded(
+                self.root,
+                flat,
+                _dumps(state.rank_state()),
+                job,
+                process_group=self.group,
+                no_dist=not self.distributed,
+                phase_hook=self._hook,
+            )
+        except SaveRefused as exc:
+            log.info("Not committing checkpoint of step %d (%s)", step, exc)
+            return None
+        log.info("Saved sharded checkpoint %s on rank %d in %.3f s", cid, self.rank, time.monotonic() - t0)
+        return cid
+
+    def _job(self, step: int, skeleton: Any, metrics: Mapping[str, float] | None) -> CommitJob:
+        assert self.store is not None
+        ids = self.catalog.ids()
+        seq = max((parse_id(i)[1] for i in ids), default=0) + 1
+        latest = self.catalog.latest("none")
+        meta = CheckpointMeta(
+            make_id(step, seq),
+            seq,
+            step,
+            self._clock(),
+            dict(metrics or {}),
+            latest.id if latest else None,
+            library_versions(),
+            None,
+            None,
+        )
+        return CommitJob(self.store, meta, _dumps(skeleton), prepare=self._prepare, gate=self.gate)
+
+    def _prepare(self) -> list[str]:
+        """Retention before the save is planned (rank 0), then the checkpoints whose blobs it may reuse."""
+        if self.retention is not None:
+            self.catalog.gc(self.retention)
+        listing = self.catalog.listing()
+        return [
+            i.id for i in listing.infos if not i.abandoned and isinstance(listing.manifest(i.id), Manifest)
+        ]
+
+    def restore(self, state: ShardedState, which: str = "latest") -> str:
+        """Load checkpoint `which` ("latest" or an id) into `state` on every rank; returns its id.
+
+        Rank 0 chooses and reads the manifest once, and every rank gets its bytes. At the saving world size each
+        rank also gets its own rank state back; at another one the rank states are left as they are. "latest"
+        falls back to the next older commit, on every rank together, when a rank finds the newest corrupt; a
+        specific id raises CheckpointCorrupt instead.
+        """
+        skipped: list[str] = []
+        while True:
+            manifest = self._agree_on(which, skipped)
+            try:
+                self._load(manifest, state)
+                break
+            except CheckpointCorrupt as exc:  # raised on every rank alike (DCP gathers each rank's result)
+                if which != "latest":
+                    raise
+                log.warning("Skipping checkpoint %s (%s)", manifest.id, exc.reason)
+                skipped.append(manifest.id)
+        if manifest.world_size == self.world_size and str(self.rank) in manifest.rank_files:
+            state.load_rank_state(read_skeleton(self.catalog, manifest, rank_file(manifest.id, self.rank)))
+        elif manifest.world_size != self.world_size and self.rank == 0:
+            log.warning(
+                "Checkpoint %s was saved by %d ranks and is restored on %d: tensors are resharded, each rank "
+                "keeps its current RNG streams",
+                manifest.id,
+                manifest.world_size,
+                self.world_size,
+            )
+        return manifest.id
+
+    def _load(self, manifest: Manifest, state: ShardedState) -> None:
+        skeleton = read_skeleton(self.catalog, manifest)
+        _, targets = state.snapshot()
+        try:
+            load_tensors(
+                self.catalog,
+                manifest,
+                targets,
+                self.verify,
+                process_group=self.group,
+                no_dist=not self.distributed,
+            )
+        except RuntimeError as exc:
+            if not self.distributed or isinstance(exc, CheckpointError):
+                raise
+            raise _lost(f"restore of {manifest.id}", exc) from exc
+        state.load(unflatten(skeleton, targets))
+
+    def _choose(self, which: str, skipped: list[str]) -> str:
+        """Rank 0: the id to restore; "latest" is the newest healthy, live commit that passes a fast check."""
+        if which != "latest":
+            return self.catalog.get(which).id
+        listing = self.catalog.listing()
+        for info in reversed(listing.infos):
+            if info.abandoned or not info.healthy or info.id in skipped:
+                continue
+            reason = self.catalog.verify(info.id, "fast", read=listing.manifest(info.id))
+            if reason is None:
+                return info.id
+            log.warning("Skipping checkpoint %s (%s)", info.id, reason)
+        raise CheckpointNotFound(f"no valid committed checkpoint in {self.root}")
+
+    def _agree_on(self, which: str, skipped: list[str]) -> Manifest:
+        """The manifest rank 0 picked, on every rank (an error on rank 0 is raised on every rank)."""
+        found: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                found = [self.catalog.manifest(self._choose(which, skipped)).to_bytes()]
+            except CheckpointError as exc:  # sent as text: only plain data crosses the wire
+                found = [(isinstance(exc, CheckpointNotFound), str(exc))]
+        if self.distributed:
+            try:
+                dist.broadcast_object_list(found, group=self.group, group_src=0)
+            except RuntimeError as exc:
+                raise _lost("choosing the checkpoint to restore", exc) from exc
+        if isinstance(found[0], tuple):
+            not_found, message = found[0]
+            raise (CheckpointNotFound if not_found else CheckpointError)(message)
+        return Manifest.from_bytes(found[0])
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def __enter__(self) -> ShardedCheckpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
