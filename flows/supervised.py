@@ -15,6 +15,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
+from policies import load_policy
+from supervisor.launcher.slurm import launcher_from_policy
 from supervisor.lineage import LineageRecord
 from supervisor.orchestrator import LineageRunner, Outcome, RunOptions, default_lineage, python_command
 
@@ -142,6 +144,7 @@ def supervised_training(
         max_segments=max_segments,
         env=dict(env or {}),
         lease_owner=lease_owner or "",
+        launcher=launcher_from_policy(load_policy(policy).launcher, Path(workdir)),
     )
     steps = TaskSteps()
 

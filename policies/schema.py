@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from policies.base import Spec, problem
+from policies.launcher_schema import LauncherConfig
 from policies.monitor_schema import MonitorConfig
 from policies.targets import Target
 from supervisor.checkpoint.options import MEMORY_SLOTS, MEMORY_SLOTS_DOC
@@ -456,6 +457,10 @@ class Policy(Spec):
         None,
         description="Script mode, for a command that does not use the training-side API: how its metrics, "
         "checkpoint files and relaunch arguments are found; null for a command that uses Session.",
+    )
+    launcher: LauncherConfig = Field(
+        default_factory=LauncherConfig,
+        description="What runs each segment: a local process group or a SLURM job.",
     )
 
     @field_validator("version", mode="before")

@@ -47,8 +47,10 @@ class ExitInfo:
     duration_s: float
     cause: str | None = None
     """The launcher's own verdict, as an event type (e.g. "preemption" for SLURM's PREEMPTED, "hardware_fault"
-    for NODE_FAIL); None when it has none (the local launchers). When set, the decision step takes it over
-    the exit code and stderr."""
+    for NODE_FAIL), or "stop" for a segment stopped from outside (`scancel`: the lineage ends stopped); None
+    when it has none (the local launchers). When set, the decision step takes it over the exit code and stderr."""
+    cause_evidence: Mapping[str, Any] = field(default_factory=dict)
+    """What the launcher's verdict rests on (e.g. the SLURM job and its state), kept with the event."""
 
 
 class SegmentHandle(Protocol):

@@ -25,6 +25,9 @@ from supervisor.runtime.wiring import to_records
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
 
+#: `ExitInfo.cause` of a segment stopped from outside the supervisor (e.g. `scancel`): the lineage ends stopped.
+OUTSIDE_STOP = "stop"
+
 #: MLflow rejects tag values much longer than this.
 MAX_TAG_CHARS = 4900
 #: The MLflow run status a lineage's final status closes it with.
@@ -91,6 +94,12 @@ class DecisionStep:
         reported = self.fold_reports(record, seg)
         event = result.stopped_for or reported or self.classify(result)
         seg.event = event.to_dict() if event else None
+        # A scheduler's cancel from outside (scancel): stopped, nothing to decide.
+        if event is not None and event.type == OUTSIDE_STOP:
+            seg.outcome = "stopped"
+            self.save()
+            log.warning("segment %d: %s", seg.index, event.reason)
+            return None
         if event is None:
             seg.outcome = "finished" if result.exit.returncode == exitcodes.EXIT_OK else "stopped"
             self.save()
@@ -107,7 +116,11 @@ class DecisionStep:
                 type=result.exit.cause,
                 reason=f"the launcher reported {result.exit.cause} (exit code {result.exit.returncode})",
                 source="launcher",
-                evidence={"returncode": result.exit.returncode, "handle": result.exit.handle_id},
+                evidence={
+                    "returncode": result.exit.returncode,
+                    "handle": result.exit.handle_id,
+                    **result.exit.cause_evidence,
+                },
             )
         return classify_exit(
             result.exit.returncode,

@@ -80,7 +80,6 @@ class LineageRunner:
         self.client: MlflowClient | None = None  # opened only under the lease (see open)
         self.decisions: DecisionStep | None = None  # built by open, once the run it tags is known
         self.pending: Decision | None = None
-        self._experiment_of: dict[str, str] = {}  # the lineage run's experiment id, asked of MLflow once
         self.script = (  # the policy's `script:` section: a command that does not use the training-side API
             ScriptMode(
                 self.policy,
@@ -355,10 +354,11 @@ class LineageRunner:
         """MLflow's variables for the lineage's run: a script's own `mlflow.start_run()` logs into it. The
         experiment id is asked of MLflow once per run id, and only when the script joins the run."""
         run_id = self.record.mlflow.run_id
-        joins = self.script is not None and self.script.mlflow == "join"
-        if joins and self.client is not None and self._experiment_of.get(run_id) is None:
-            self._experiment_of = {run_id: self.client.get_run(run_id).info.experiment_id}
-        experiment = self._experiment_of.get(run_id, "") if joins else ""
+        script = self.script
+        joins = script is not None and script.mlflow == "join"
+        if joins and self.client is not None and script.experiment_of.get(run_id) is None:
+            script.experiment_of = {run_id: self.client.get_run(run_id).info.experiment_id}
+        experiment = script.experiment_of.get(run_id, "") if joins else ""
         return {
             "MLFLOW_TRACKING_URI": self.tracking_uri,
             "MLFLOW_EXPERIMENT_ID": experiment,

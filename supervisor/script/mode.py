@@ -126,6 +126,8 @@ class ScriptMode:
         self.current: ScriptSegment | None = None
         self.exclude: list[Path] = [Path(p) for p in exclude]
         self.mlflow = self.config.mlflow_mode()
+        #: The lineage run's experiment id, which the runner asks of MLflow once.
+        self.experiment_of: dict[str, str] = {}
         #: Metric points of the lineage's surviving branch read so far, in reading order (detector warm-up).
         self.branch: list[Point] = []
 
