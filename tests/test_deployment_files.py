@@ -85,3 +85,17 @@ def test_zombie_automation_marks_silent_runs_crashed_after_missed_heartbeats(pre
         ]
     )
     assert automation.trigger.within.total_seconds() >= 2 * frequency  # one late heartbeat is not a crash
+
+
+def test_the_slurm_deployment_runs_each_segment_as_a_slurm_job(prefect_yaml: dict):
+    from policies import load_policy
+
+    (slurm,) = [d for d in prefect_yaml["deployments"] if d["name"] == "charlm-slurm"]
+    policy = load_policy(REPO / slurm["parameters"]["policy"])
+    assert policy.launcher.type == "slurm"
+    # A SIGTERM comes before the time limit, so the training writes its emergency checkpoint.
+    assert policy.launcher.slurm.time_limit and policy.launcher.slurm.warning_seconds
+    # Everything but the launcher is the palm-spike preset: the same rules on a cluster as on one machine.
+    preset = load_policy(REPO / "policies" / "presets" / "palm-spike.yaml")
+    assert policy.rules == preset.rules and policy.checkpoint == preset.checkpoint
+    assert slurm["work_pool"]["work_queue_name"] == "slurm"
