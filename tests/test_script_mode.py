@@ -876,3 +876,58 @@ def test_the_surviving_branch_warms_the_next_segments_detectors(tmp_path):
             watcher.tap("stdout", f"iter {s}: loss {loss}")
     assert [e.type for e in warm.poll(1.0)] == ["divergence"] and cold.poll(1.0) == []
     assert [p.step for p in warm.observed] == [4, 5, 6]
+
+
+WARM_POLICY = f"""\
+version: 1
+name: warm
+monitor:
+  detectors:
+    - {{type: divergence, metric: loss, window: 2, factor: 1.5, patience: 1}}
+    - {{type: non_finite, metrics: [loss, grad_norm]}}
+rules:
+  - when: [unknown_exit]
+    action: resume
+script:
+  output: {{patterns: ['{NANOGPT}']}}
+  checkpoints: {{glob: 'out/ckpt.pt', settle_seconds: 0}}
+"""
+
+
+def test_a_fresh_supervisor_warms_its_detectors_on_the_branch_mlflow_logged(tmp_path, caplog):
+    """A supervisor that takes over a lineage (the previous one died) has read no output yet: its first
+    segment's detectors warm up on the lineage run's surviving branch, up to the version it resumes from."""
+    from supervisor.report import ReportError
+    from supervisor.script.files import Restored
+    from supervisor.script.relaunch import Start
+
+    asked = []
+
+    def logged(names):
+        asked.append(names)
+        first = [(s, 1.0, 1000 + s) for s in range(1, 31)]  # steps 1..30
+        again = [(s, 2.0, 5000 + s) for s in range(21, 26)]  # rolled back to 20, then ran 21..25
+        return {"loss": first + again, "grad_norm": []}
+
+    mode = ScriptMode(parse_policy(WARM_POLICY, "p.yaml"), "p.yaml", tmp_path / "store", cwd=str(tmp_path))
+    mode.warm_from = logged
+    start = Start(("python", "train.py"), Restored("0000000024-000003", 24, ("out/ckpt.pt",), {}), 1.0)
+    history = mode._branch_to(start)
+    assert asked == [("loss", "grad_norm")]
+    assert [(p.step, p.value) for p in history] == [(s, 1.0) for s in range(1, 21)] + [
+        (s, 2.0) for s in range(21, 25)
+    ]
+    mode.warm_from = lambda names: pytest.fail("the branch is known: MLflow is not asked again")
+    assert [p.step for p in mode._branch_to(start)] == [p.step for p in history]
+
+    def unreachable(names):
+        raise ReportError("MLflow run r at http://127.0.0.1:9: cannot read metric history: refused")
+
+    cold = ScriptMode(parse_policy(WARM_POLICY, "p.yaml"), "p.yaml", tmp_path / "store2", cwd=str(tmp_path))
+    cold.warm_from = unreachable
+    assert cold._branch_to(start) == []
+    assert "the detectors start cold" in caplog.text
+    # From scratch there is nothing to warm on.
+    fresh = ScriptMode(parse_policy(WARM_POLICY, "p.yaml"), "p.yaml", tmp_path / "store3", cwd=str(tmp_path))
+    fresh.warm_from = lambda names: pytest.fail("a segment from scratch asks for no history")
+    assert fresh._branch_to(Start(("python", "train.py"), None, 1.0)) == []

@@ -310,6 +310,7 @@ class LineageRunner:
         script = None
         if self.script is not None:  # put the chosen version in place; read metrics from the output
             paths = SegmentPaths(Path(plan.metrics_spool or ""), plan.heartbeat_path, plan.faults_path)
+            self.script.warm_from = self._logged_history
             script = self.script.segment(index, plan.restore, o.command, paths, self._mlflow_env(), on_line)
             command, launcher, on_line = script.command, script.launcher(launcher), script.on_line()
             env.update(script.env)
@@ -349,6 +350,12 @@ class LineageRunner:
             open_shipper=open_shipper,
             on_line=on_line,
         )
+
+    def _logged_history(self, metrics: tuple[str, ...]) -> dict[str, list[tuple[int, float, int]]]:
+        """The lineage run's logged history of `metrics` (script mode warms its detectors on it)."""
+        from supervisor.report import fetch_points
+
+        return fetch_points(self.tracking_uri, self.record.mlflow.run_id, metrics)
 
     def _mlflow_env(self) -> dict[str, str]:
         """MLflow's variables for the lineage's run: a script's own `mlflow.start_run()` logs into it. The

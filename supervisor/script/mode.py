@@ -21,7 +21,7 @@ import yaml
 
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.retention import policy_from_settings
-from supervisor.errors import PolicyError
+from supervisor.errors import PolicyError, SupervisorError
 from supervisor.launcher import Launcher, OnLine
 from supervisor.monitor import DetectorSet, HeartbeatWriter, Point, build_detectors
 from supervisor.runtime.faults import FAULTS_ENV, parse_faults
@@ -128,6 +128,9 @@ class ScriptMode:
         self.mlflow = self.config.mlflow_mode()
         #: The lineage run's experiment id, which the runner asks of MLflow once.
         self.experiment_of: dict[str, str] = {}
+        #: The lineage run's logged history of some metrics ({metric: [(step, value, timestamp_ms)]}), set by
+        #: the runner: a supervisor that starts on a lineage another one ran warms its detectors from it.
+        self.warm_from: Callable[[tuple[str, ...]], Mapping[str, list[tuple[int, float, int]]]] | None = None
         #: Metric points of the lineage's surviving branch read so far, in reading order (detector warm-up).
         self.branch: list[Point] = []
 
@@ -194,11 +197,43 @@ class ScriptMode:
             seg.watcher.observed = []
         if start.version is None:
             self.branch = []
+        elif seg is None and not self.branch:
+            self.branch = self._logged_branch(start.step)
         while self.branch and self.branch[-1].step > start.step:
             self.branch.pop()  # printed after the version the segment resumes from: abandoned or run again
         if len(self.branch) > BRANCH_POINTS:
             del self.branch[: len(self.branch) - BRANCH_POINTS]
         return list(self.branch)
+
+    def _logged_branch(self, step: int) -> list[Point]:
+        """The surviving branch up to `step` of the detectors' metrics as MLflow holds them: what this
+        supervisor's first segment warms its detectors on when an earlier supervisor ran the lineage's segments
+        (without it they would start cold after every restart of the supervisor). [] without a source."""
+        if self.warm_from is None:
+            return []
+        from supervisor.report.timeline import split_branches
+
+        names = detector_metrics(self.policy.monitor.detectors)
+        try:
+            series = self.warm_from(names) if names else {}
+        except (SupervisorError, OSError) as exc:  # cold detectors rather than no segment at all
+            log.warning("script mode: the detectors start cold: the lineage's MLflow history: %s", exc)
+            return []
+        points = [
+            Point(metric, s, v, ts / 1000.0)
+            for metric, logged in series.items()
+            for s, v, ts in split_branches(list(logged))[0]
+            if s <= step
+        ]
+        points.sort(key=lambda p: (p.step, p.wall_time))
+        if points:
+            log.info(
+                "script mode: the detectors warm up on %d logged points of the surviving branch (steps %d-%d)",
+                len(points),
+                points[0].step,
+                points[-1].step,
+            )
+        return points[-BRANCH_POINTS:]
 
     def _exclude_own(self, paths: SegmentPaths, mlflow_env: Mapping[str, str]) -> None:
         """The supervisor's own files, never versioned: the lineage directory (where the plan puts the heartbeat)
@@ -325,6 +360,16 @@ def check_command(policy: Any, policy_path: str | Path, command: Sequence[str]) 
             )
     if problems:
         raise PolicyError(problems)
+
+
+def detector_metrics(detectors: Iterable[Any]) -> tuple[str, ...]:
+    """The metric names the policy's detectors read, in order, each once."""
+    names: list[str] = []
+    for spec in detectors:
+        for name in [*(getattr(spec, "metrics", None) or []), getattr(spec, "metric", None)]:
+            if isinstance(name, str) and name not in names:
+                names.append(name)
+    return tuple(names)
 
 
 def _extend_branch(branch: list[Point], points: Iterable[Point]) -> None:
