@@ -105,6 +105,9 @@ def test_chunk_key_names_tensor_and_offsets():
         ((11, 4), [((0, 0), (6, 4)), ((6, 0), (6, 4))], "outside"),
         ((11, 4), [((0,), (11,))], "1 dimensions, the tensor has 2"),
         ((4,), [((0,), (2,)), ((1,), (1,)), ((3,), (1,))], "overlap"),  # the right count, yet overlapping
+        # Overlaps found by the sweep: with a chunk still open from an earlier row, and inside one row.
+        ((8, 8), [((0, 0), (8, 4)), ((0, 4), (4, 4)), ((2, 6), (2, 1)), ((4, 4), (4, 4))], "overlap"),
+        ((8, 8), [((0, 0), (4, 8)), ((4, 0), (4, 5)), ((4, 4), (4, 4))], "overlap"),
     ],
 )
 def test_coverage_accepts_exact_tilings_only(size, boxes, problem):
@@ -130,6 +133,14 @@ def test_coverage_of_any_grid_split_and_of_it_less_one_chunk(dims, splits):
     nonempty = [i for i, (_, n) in enumerate(boxes) if all(n)]
     if nonempty:
         assert "a hole" in coverage(tuple(dims), boxes[: nonempty[0]] + boxes[nonempty[0] + 1 :])
+
+
+def test_coverage_of_a_4096_chunk_grid_and_of_it_with_one_chunk_moved():
+    """A large 2-D grid (tensor parallel x FSDP) is checked by the sweep, not pair by pair (16 million pairs)."""
+    boxes = [((r * 4, c * 2), (4, 2)) for r in range(64) for c in range(64)]
+    assert coverage((256, 128), boxes) is None
+    moved = boxes[:-1] + [((252, 125), (4, 2))]  # the last chunk slid one column left onto its neighbour
+    assert "overlap" in coverage((256, 128), moved)
 
 
 def test_sharded_manifest_round_trips_through_json_and_is_consistent():

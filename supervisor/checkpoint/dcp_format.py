@@ -45,10 +45,17 @@ def coverage(size: Sequence[int], boxes: Sequence[Box]) -> str | None:
         dup = next(o for o in starts if starts.count(o) > 1)
         return f"two chunks start at {list(dup)}"
     nonempty = [b for b in boxes if prod(b[1]) > 0]
-    for i, a in enumerate(nonempty):
-        for b in nonempty[i + 1 :]:
-            if _overlap(a, b):
-                return f"chunks at {list(a[0])} and {list(b[0])} overlap"
+    if size:  # a 0-d tensor has one start, so at most one chunk (checked above)
+        # A sweep along dimension 0: a chunk can only overlap those still open where it starts, so sharding
+        # along dimension 0 (FSDP) costs n log n, a 2-D grid n times a row of chunks, not n squared.
+        nonempty.sort(key=lambda b: b[0][0])
+        open_: list[Box] = []
+        for box in nonempty:
+            open_ = [a for a in open_ if a[0][0] + a[1][0] > box[0][0]]
+            for a in open_:
+                if _overlap(a, box):
+                    return f"chunks at {list(a[0])} and {list(box[0])} overlap"
+            open_.append(box)
     covered = sum(prod(n) for _, n in nonempty)
     if covered != prod(size):
         return f"chunks cover {covered} of the tensor's {prod(size)} elements (a hole)"
