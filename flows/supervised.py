@@ -129,6 +129,7 @@ def supervised_training(
     max_segments: int = 1000,
     env: dict[str, str] | None = None,
     lease_owner: str | None = None,
+    progress_seconds: float = 30.0,
 ) -> dict[str, Any]:
     """Supervise `command` under `policy` until it finishes, stops, or exhausts its budgets."""
     argv = python_command(shlex.split(command) if isinstance(command, str) else list(command))
@@ -152,11 +153,19 @@ def supervised_training(
         _publish(record, decision.to_dict() if decision else None, segment_ended=True)
         return None
 
-    with LineageRunner(options) as runner:
+    with LineageRunner(options) as runner, _progress(runner, argv, progress_seconds):
         record = runner.supervise(on_line=steps.line, on_decision=on_decision, step=steps)
         write_report(record.to_dict(), str(runner.layout.local))
         _publish(record, None)
     return summarize(record.to_dict(), runner.layout.local)
+
+
+def _progress(runner: LineageRunner, argv: list[str], every: float):
+    """The progress line (supervisor.report.progress) in the flow run's log every `every` seconds; 0: never."""
+    from supervisor.report.progress import ProgressLog, reader_for
+
+    reader = reader_for(runner.layout.local, runner.layout.checkpoints, argv)
+    return ProgressLog(reader.read, every, get_run_logger())
 
 
 def summarize(record: dict[str, Any], lineage_dir: Path) -> dict[str, Any]:

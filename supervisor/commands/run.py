@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 from pathlib import Path
@@ -40,6 +39,12 @@ def command(
         min=1.0,
         help="Seconds a lease outlives its supervisor (renewed every third of it while this run lives).",
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show MLflow's, Prefect's and httpx's INFO logs."
+    ),
+    progress_every: float = typer.Option(
+        30.0, "--progress-every", min=0.0, help="Seconds between progress log lines off a terminal (0: none)."
+    ),
 ) -> None:
     """Run CMD (after `--`) as supervised training under POLICY until it finishes, stops or fails."""
     argv = list(ctx.args)
@@ -51,7 +56,17 @@ def command(
         raise UserError(f"--policy {policy}: no such file")
     lease, keeper = preflight(argv, policy, lineage, workdir, lease_wait, lease_ttl)
     try:
-        _run(argv, policy, lineage or lease_lineage(argv), workdir, tracking_uri, stop_grace, lease)
+        _run(
+            argv,
+            policy,
+            lineage or lease_lineage(argv),
+            workdir,
+            tracking_uri,
+            stop_grace,
+            lease,
+            verbose,
+            progress_every,
+        )
     finally:
         keeper.stop()
         lease.release()
@@ -100,18 +115,22 @@ def preflight(
     return lease, LeaseKeeper(lease).start()
 
 
-def _run(argv, policy, lineage, workdir, tracking_uri, stop_grace, lease) -> None:
+def _run(
+    argv, policy, lineage, workdir, tracking_uri, stop_grace, lease, verbose=False, progress_every=30.0
+) -> None:
     from flows.prefect_env import apply_defaults
+    from supervisor.commands.logs import configure_logging
 
+    configure_logging(verbose)  # first: --verbose sets Prefect's level before the defaults do
     apply_defaults(workdir)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("httpx", "httpcore", "mlflow", "alembic"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
     def on_term(signum, frame):
         raise Interrupted(f"received {signal.Signals(signum).name}")
 
     old = signal.signal(signal.SIGTERM, on_term)
+    from supervisor.commands.progress import for_run
+
+    progress = for_run(argv, policy, lineage, workdir, every=progress_every).start()
     try:
         from flows.supervised import supervised_training
 
@@ -124,6 +143,7 @@ def _run(argv, policy, lineage, workdir, tracking_uri, stop_grace, lease) -> Non
             stop_grace_seconds=stop_grace,
             lease_ttl_seconds=lease.ttl_seconds,
             lease_owner=lease.owner,
+            progress_seconds=0,  # this command shows the line itself
         )
     except Interrupted as exc:
         typer.echo(
@@ -132,6 +152,7 @@ def _run(argv, policy, lineage, workdir, tracking_uri, stop_grace, lease) -> Non
         raise typer.Exit(143) from None
     finally:
         signal.signal(signal.SIGTERM, old)
+        progress.stop()
     from supervisor.commands.render import print_result
 
     print_result(result)

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,13 @@ from supervisor.layout import LineageLayout, is_url
 from supervisor.lineage import MAX_RECORD_BYTES, LineageRecordError, decode_record
 from supervisor.report.timeline import (
     SEGMENT_COLUMNS,
+    WIDE_TABLE_COLUMNS,
     clock_text,
     counts,
     jsonable,
     rich_table,
     segment_cells,
+    short_timeline,
     summary_line,
     timeline_rows,
 )
@@ -47,11 +51,21 @@ def command(
     workdir: Path = typer.Option(Path(".rollback"), "--workdir", help="The supervisor's work directory."),
     lineage: str | None = typer.Option(None, "--lineage", help="Show only this lineage."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document for scripts."),
+    watch: bool = typer.Option(
+        False, "--watch", help="Follow each lineage's progress line until every one is done (Ctrl-C stops)."
+    ),
+    interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between --watch refreshes."),
 ) -> None:
     """Show each lineage's segments, events, decisions and checkpoints."""
     if ctx.args:
         raise StatusError(f"status: unexpected argument(s) {' '.join(ctx.args)}; see `status --help`")
-    found = [_status(d, r, workdir) for d, r in load_lineages(workdir, lineage)]
+    if watch and json_out:
+        raise StatusError("status: --watch and --json do not go together; pick one")
+    found_records = load_lineages(workdir, lineage)
+    if watch:
+        watch_lineages(workdir, found_records, interval)
+        return
+    found = [_status(d, r, workdir) for d, r in found_records]
     if json_out:
         doc = {"lineages": [view for _, view in found]}
         typer.echo(json.dumps(jsonable(doc), indent=2, allow_nan=False))
@@ -62,7 +76,30 @@ def command(
     if not found:
         console.print(f"no lineages under {workdir / 'lineages'}")
     for shown, view in found:
-        _print_lineage(console, shown, view)
+        print_lineage(console, shown, view)
+
+
+def watch_lineages(
+    workdir: Path,
+    found: list[tuple[Path, dict[str, Any]]],
+    interval: float,
+    console: Console | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """The live progress line of each lineage, from its directory and checkpoint store, until all are done."""
+    from supervisor.commands.progress import watch
+    from supervisor.report.progress import reader_for
+
+    console = console or Console()
+    if not found:
+        console.print(f"no lineages under {workdir / 'lineages'}")
+        return
+    readers = []
+    for directory, record in found:
+        command = record.get("command") if isinstance(record.get("command"), list) else []
+        store = checkpoint_store(workdir, directory, record)
+        readers.append(reader_for(directory, store, [str(a) for a in command]).read)
+    watch(readers, console, interval, sleep=sleep)
 
 
 def load_lineages(workdir: Path, only: str | None = None) -> list[tuple[Path, dict[str, Any]]]:
@@ -353,25 +390,48 @@ def _spool_tail(spool_dir: Path, index: Any) -> tuple[float, int] | None:
     return None
 
 
-def _print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any]) -> None:
+def print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any]) -> None:
+    """One lineage's summary, segments, events and checkpoints, sized to the console's width."""
+    narrow = console.width < WIDE_TABLE_COLUMNS
     style = STATUS_STYLES.get(entry["status"] or "", "")
-    console.rule(Text(summary_line(record), style=style), align="left")
+    if narrow:  # a rule would cut the summary at the terminal's edge
+        console.print(Text(summary_line(record), style=style))
+    else:
+        console.rule(Text(summary_line(record), style=style), align="left")
     segments = Table(title="segments", title_justify="left")
     for name in SEGMENT_COLUMNS:
-        segments.add_column(name, overflow="fold")
+        segments.add_column(name, overflow="fold", no_wrap=narrow and name == "restored from")
     for seg in entry["segments"]:
-        segments.add_row(*(Text(c) for c in segment_cells(seg)))
+        cells = segment_cells(seg)
+        if narrow:  # the time of day is enough beside the date in the summary's records
+            cells[2] = cells[2].rpartition(" ")[2]
+        segments.add_row(*(Text(c) for c in cells))
     console.print(segments)
-    if entry["timeline"]:
+    if entry["timeline"] and narrow:
+        console.print(short_timeline(entry["timeline"], "events and decisions"))
+    elif entry["timeline"]:
         table = rich_table(record)
         table.title = "events and decisions"
         console.print(table)
     else:
         console.print("no events")
-    console.print(_checkpoint_table(entry))
+    console.print(_checkpoint_table(entry, narrow))
 
 
-def _checkpoint_table(entry: dict[str, Any]) -> Table | str:
+#: The checkpoint table's columns; a narrow terminal leaves out those marked False.
+CHECKPOINT_COLUMNS = (
+    ("id", True),
+    ("step", True),
+    ("saved", False),
+    ("metrics", True),
+    ("parent", False),
+    ("size", True),
+    ("state", True),
+    ("role", True),
+)
+
+
+def _checkpoint_table(entry: dict[str, Any], narrow: bool = False) -> Table | str:
     if entry["checkpoint_store_problem"]:
         return entry["checkpoint_store_problem"]
     if not entry["checkpoints"]:
@@ -382,12 +442,14 @@ def _checkpoint_table(entry: dict[str, Any]) -> Table | str:
             roles.setdefault(row["target_id"], []).append(f"{row['action']} target (#{row['index']})")
     if entry["final_checkpoint"]:
         roles.setdefault(entry["final_checkpoint"], []).insert(0, "final")
+    shown = [(i, name) for i, (name, wide_only) in enumerate(CHECKPOINT_COLUMNS) if wide_only or not narrow]
     table = Table(title="checkpoints", title_justify="left")
-    for name in ("id", "step", "saved", "metrics", "parent", "size", "state", "role"):
-        table.add_column(name, overflow="fold")
+    for _, name in shown:
+        # Ids, steps and sizes never break (a folded id is hard to read); metrics and roles fold.
+        table.add_column(name, overflow="fold", no_wrap=narrow and name in ("id", "step", "size", "state"))
     for info in entry["checkpoints"]:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(info["metrics"].items()))
-        table.add_row(
+        cells = (
             info["id"],
             str(info["step"]),
             clock_text(info["wall_time"]),
@@ -399,4 +461,5 @@ def _checkpoint_table(entry: dict[str, Any]) -> Table | str:
             Text("abandoned", style="dim") if info["abandoned"] else "live",
             ", ".join(roles.get(info["id"], [])) or "-",
         )
+        table.add_row(*(cells[i] for i, _ in shown))
     return table

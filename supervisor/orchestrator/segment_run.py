@@ -122,10 +122,10 @@ class SegmentRun:
             seg.note_launch(handle.details())
             self.save()
             log.info(
-                "segment %d: launched as %s, %s",
+                "segment %d %s; launched as %s",
                 seg.index,
-                handle.handle_id,
                 describe_restore(RestoreSpec(**seg.restore)),
+                handle.handle_id,
             )
             watcher = open_watcher()
             cleanup.callback(watcher.close)
@@ -216,4 +216,6 @@ def describe_restore(spec: RestoreSpec) -> str:
         return "starts from scratch"
     where = f"checkpoint {spec.checkpoint_id}" if spec.checkpoint_id else "the newest valid checkpoint"
     kind = "rolls back to" if spec.rollback else "starts from"
-    return f"{kind} {where} (skip {spec.skip_batches}, lr x{spec.lr_scale:g})"
+    scale = f"{spec.lr_scale:g}"
+    scale += ".0" if scale.lstrip("-").isdigit() else ""  # lr ×1.0, lr ×0.5: always reads as a factor
+    return f"{kind} {where} (skip {spec.skip_batches}, lr ×{scale})"

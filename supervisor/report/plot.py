@@ -1,22 +1,49 @@
-"""Loss-versus-step PNG of a lineage: live branch, greyed abandoned branches, anomalies and rollbacks."""
+"""Loss-versus-step PNG of a lineage: live branch, greyed abandoned branches, anomalies, rollbacks, and a
+marker at every relaunch by kind; a sidecar JSON next to the PNG records what was marked."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import textwrap
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from supervisor.lineage.record import RecordLike, as_json
-from supervisor.report.timeline import Point, runs, split_branches, summary_line, timeline_rows
+from supervisor.report.timeline import (
+    RELAUNCH_ACTIONS,
+    Point,
+    runs,
+    split_branches,
+    summary_line,
+    timeline_rows,
+)
 
 SERIES = {"loss": "tab:blue", "val_loss": "tab:green"}
 #: A cool grey that antialiased text, grid lines and the coloured series never produce (tests look for it).
 ABANDONED_COLOR = "#a3a3b5"
 ANOMALY_COLOR = "tab:red"
 ARROW_COLORS = {"rollback": "tab:purple", "resume": "tab:orange"}
+#: The kind of relaunch each process event leads to; a relaunch decided as a rollback is a "rollback".
+RELAUNCH_KIND = {
+    "preemption": "preemption",
+    "hardware_fault": "hardware fault",
+    "unknown_exit": "kill",
+    "hang": "hang",
+}
+#: (marker, colour) of each kind of relaunch; any other kind (an OOM resumed, say) gets OTHER_MARK.
+RELAUNCH_MARKS = {
+    "rollback": ("<", "tab:purple"),
+    "kill": ("X", "black"),
+    "hardware fault": ("s", "tab:brown"),
+    "preemption": ("D", "tab:orange"),
+    "hang": ("P", "tab:olive"),
+}
+OTHER_MARK = ("o", "tab:gray")
 LEGEND_ORDER = (
     "loss (live)",
     "val_loss (live)",
@@ -24,15 +51,94 @@ LEGEND_ORDER = (
     "non-finite value",
     "anomaly onset",
     "rollback",
+    *(f"relaunch: {kind}" for kind in RELAUNCH_MARKS),
 )
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """One segment boundary: segment `segment` started at `step` after a relaunch of this kind."""
+
+    segment: int
+    step: int
+    kind: str
+    event: str | None
+    action: str
+
+
+def relaunches(record: RecordLike) -> list[Relaunch]:
+    """Every relaunch of the lineage, in order, at the step the new segment started from. Pure.
+
+    The step is the decision's target; without one, the step of the checkpoint the next segment restored,
+    0 from scratch, and else the step the event was seen at (a "newest valid" resume with nothing known).
+    """
+    record = as_json(record)
+    segments = {s.get("index"): s for s in record.get("segments") or []}
+    out = []
+    for row in timeline_rows(record):
+        if row["in_process"] or row["action"] not in RELAUNCH_ACTIONS:
+            continue
+        nxt = segments.get(row["segment"] + 1) or {}
+        step = row["target_step"]
+        if step is None:
+            step = _restored_step(nxt.get("restore") or {})
+        if step is None:
+            step = row["step"] if row["step"] is not None else row["onset_step"]
+        if step is None and not row.get("target_id"):
+            step = 0  # no checkpoint chosen: a relaunch from scratch (as the tables say)
+        if step is None:
+            continue
+        kind = "rollback" if row["action"] == "rollback" else RELAUNCH_KIND.get(row["event"] or "", None)
+        kind = kind or (row["event"] or "other").replace("_", " ")
+        out.append(Relaunch(row["segment"] + 1, int(step), kind, row["event"], row["action"]))
+    return out
+
+
+def relaunch_counts_text(marks: list[Relaunch], in_process: int) -> str:
+    """The title's second line: how many relaunches of each kind are marked, and the in-process rollbacks."""
+    by_kind = Counter(m.kind for m in marks)
+    kinds = sorted(by_kind, key=lambda k: (list(RELAUNCH_MARKS).index(k) if k in RELAUNCH_MARKS else 99, k))
+    text = f"{len(marks)} relaunch(es) marked" + (
+        ": " + ", ".join(f"{by_kind[k]} {k}" for k in kinds) if marks else ""
+    )
+    return text + f"; {in_process} in-process rollback(s) (arrows)"
+
+
+def _restored_step(restore: dict[str, Any]) -> int | None:
+    if restore.get("from_scratch"):
+        return 0
+    if restore.get("checkpoint_id"):
+        from supervisor.checkpoint.options import parse_id
+
+        try:
+            return parse_id(restore["checkpoint_id"])[0]
+        except ValueError:
+            return None
+    return None
+
+
+def sidecar_path(png: str | os.PathLike[str]) -> Path:
+    """`loss.png` → `loss.marks.json`: what the plot marked, for tests and tools that cannot read a PNG."""
+    path = Path(png)
+    return path.with_name(path.stem + ".marks.json")
 
 
 def plot_lineage(record: RecordLike, points: dict[str, list[Point]], path: str | os.PathLike[str]) -> Path:
     """Write the lineage's loss (and val_loss) versus step as a PNG at `path`; returns the path.
 
     Other metrics in `points` are ignored. Non-finite values are left out of the lines and marked with
-    red crosses along the top edge.
+    red crosses along the top edge. What was marked goes to `sidecar_path(path)` as JSON.
     """
+    fig, drawn = draw_lineage(record, points)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    sidecar_path(out).write_text(json.dumps({"png": out.name, **drawn}, indent=2, allow_nan=False))
+    return out
+
+
+def draw_lineage(record: RecordLike, points: dict[str, list[Point]]) -> tuple[Any, dict[str, Any]]:
+    """(the matplotlib Figure, what it marks: title, relaunches, counts by kind, anomaly marks)."""
     record = as_json(record)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -65,10 +171,12 @@ def plot_lineage(record: RecordLike, points: dict[str, list[Point]], path: str |
 
     loss = points.get("loss") or []
     live_loss, _ = split_branches(loss)
+    anomalies = []
     for k, row in enumerate(timeline_rows(record)):
         x = row["onset_step"] if row["onset_step"] is not None else row["step"]
         if x is None:
             continue
+        anomalies.append({"step": x, "event": row["event"], "action": row["action"]})
         ax.axvline(x, color=ANOMALY_COLOR, ls=":", lw=1, alpha=0.6, zorder=2)
         ax.plot([x], [1.0], "v", color=ANOMALY_COLOR, ms=8, transform=top, clip_on=False, zorder=6)
         ax.annotate(
@@ -85,9 +193,19 @@ def plot_lineage(record: RecordLike, points: dict[str, list[Point]], path: str |
             _arrow(ax, row, loss, live_loss, top)
             legend[row["action"]] = Line2D([], [], color=ARROW_COLORS[row["action"]], ls="--")
 
+    marks = relaunches(record)
+    for mark in marks:
+        _relaunch_mark(ax, mark, top)
+        legend[f"relaunch: {mark.kind}"] = Line2D(
+            [], [], color=_style(mark.kind)[1], marker=_style(mark.kind)[0], ls="-."
+        )
+    in_process = sum(r["in_process"] and r["action"] == "rollback" for r in timeline_rows(record))
+    counts_line = relaunch_counts_text(marks, in_process)
+
     if not points or not any(points.values()):
         ax.text(0.5, 0.5, "no metric points logged", transform=ax.transAxes, ha="center", color="0.4")
-    ax.set_title(textwrap.fill(summary_line(record), 130), fontsize=10, loc="left")
+    title = textwrap.fill(summary_line(record), 130) + "\n" + counts_line
+    ax.set_title(title, fontsize=10, loc="left")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
@@ -97,10 +215,45 @@ def plot_lineage(record: RecordLike, points: dict[str, list[Point]], path: str |
         )
         # Outside the axes: event labels run along the top edge and the curve along the bottom.
         ax.legend([legend[n] for n in names], names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    return out
+    drawn = {
+        "title": title,
+        "relaunches": [asdict(m) for m in marks],
+        "relaunch_counts": dict(Counter(m.kind for m in marks)),
+        "in_process_rollbacks": in_process,
+        "anomalies": anomalies,
+    }
+    return fig, drawn
+
+
+def _style(kind: str) -> tuple[str, str]:
+    return RELAUNCH_MARKS.get(kind, OTHER_MARK)
+
+
+def _relaunch_mark(ax: Any, mark: Relaunch, top: Any) -> None:
+    """A dash-dot line at the step the segment started from, and its kind's marker on the bottom edge."""
+    marker, color = _style(mark.kind)
+    ax.axvline(mark.step, color=color, ls="-.", lw=1, alpha=0.5, zorder=2)
+    ax.plot(
+        [mark.step],
+        [0.0],
+        marker,
+        color=color,
+        ms=8,
+        transform=top,
+        clip_on=False,
+        zorder=6,
+        gid=f"relaunch:{mark.segment}:{mark.kind}",
+    )
+    ax.annotate(
+        f"seg {mark.segment}: {mark.kind}",
+        xy=(mark.step, 0.0),
+        xycoords=top,
+        xytext=(4, 8),
+        textcoords="offset points",
+        color=color,
+        fontsize=7,
+        rotation=90,
+    )
 
 
 def y_scale(values: Iterable[float]) -> str:

@@ -6,6 +6,7 @@ import datetime
 import math
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -16,6 +17,8 @@ Point = tuple[int, float, int]  # (step, value, timestamp_ms) as MLflow logs it
 #: MLflow rejects longer tag values.
 MAX_TAG_CHARS = 5000
 RELAUNCH_ACTIONS = frozenset({"resume", "rollback"})
+#: Terminals narrower than this get the short event table, with the reasons listed under it.
+WIDE_TABLE_COLUMNS = 120
 ACTION_STYLES = {"rollback": "magenta", "resume": "yellow", "stop": "green", "fail": "bold red"}
 
 
@@ -314,6 +317,67 @@ def rich_table(record: RecordLike) -> Table:
         )
         table.add_row(*cells)
     return table
+
+
+SHORT_COLUMNS = ("#", "seg", "step", "event", "action", "target step", "skip", "lr×")
+
+
+def short_cells(row: dict[str, Any]) -> list[str]:
+    """One timeline row in the short table's columns: nothing that can grow with the policy or the reason."""
+    relaunch = row["action"] in RELAUNCH_ACTIONS
+    if row.get("target_step") is not None:
+        target = str(row["target_step"])
+    else:
+        target = "scratch" if relaunch and not row.get("target_id") else "-"
+    step = row["step"] if row["step"] is not None else row["onset_step"]
+    return [
+        str(row["index"]),
+        str(row["segment"]),
+        "-" if step is None else str(step),
+        row["event"] or "-",
+        row["action"] or "-",
+        target,
+        str(row["skip_batches"]) if relaunch else "-",
+        f"{row['lr_scale']:g}" if relaunch else "-",
+    ]
+
+
+def reason_text(row: dict[str, Any]) -> str:
+    """What the short table leaves out: where the event was seen, its onset, the checkpoint, and the reason."""
+    seen = row["source"] + (f", {row['tier']} tier" if row.get("tier") else "")
+    if row["onset_step"] is not None and row["onset_step"] != row["step"]:
+        seen += f", onset {row['onset_step']}"
+    if row.get("metric"):
+        seen += f", {row['metric']}={_num(row['value'])}"
+    if row.get("target_id") and row["target_id"] not in (row["reason"] or ""):
+        seen += f", checkpoint {row['target_id']}"
+    if (
+        row["action"] in RELAUNCH_ACTIONS
+        and not row["in_process"]
+        and "relaunch in" not in (row["reason"] or "")
+    ):
+        seen += _delay(row, ", relaunch in {:.1f}s")
+    return " ".join(f"({seen}) {row['reason'] or '-'}".split())
+
+
+def short_timeline(rows: list[dict[str, Any]], title: str | Text | None = None) -> Group:
+    """The event table for a narrow terminal: short columns, then each row's reason as a numbered list.
+
+    Every cell is short enough for 80 columns, so no cell wraps; the reasons wrap as prose under the table.
+    """
+    table = Table(title=title, title_justify="left")
+    for name in SHORT_COLUMNS:
+        table.add_column(name, no_wrap=name != "event", overflow="fold")
+    for row in rows:
+        cells = short_cells(row)
+        cells[4] = Text(cells[4], style=ACTION_STYLES.get(row["action"] or "", ""))
+        table.add_row(*(c if isinstance(c, Text) else Text(c) for c in cells))
+    reasons = Table.grid(padding=(0, 1))
+    reasons.add_column(justify="right", no_wrap=True)
+    reasons.add_column(overflow="fold")
+    for row in rows:
+        reasons.add_row(f"{row['index']}.", Text(reason_text(row)))  # Text: reasons hold brackets
+    return Group(table, reasons) if rows else Group(table)
 
 
 def jsonable(obj: Any) -> Any:
