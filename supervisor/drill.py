@@ -82,6 +82,12 @@ def command(
     ),
     workdir: Path = typer.Option(Path(".rollback") / "drills", "--workdir"),
     stop_grace: float = typer.Option(30.0, "--stop-grace"),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also show MLflow's, Prefect's and httpx's INFO logs."
+    ),
+    progress_every: float = typer.Option(
+        30.0, "--progress-every", min=0.0, help="Seconds between progress log lines off a terminal (0: none)."
+    ),
 ) -> None:
     """Run CMD (after `--`) under POLICY with injected faults; print a pass/fail table per fault."""
     argv = [a for a in ctx.args if a != "--"] if ctx.args[:1] == ["--"] else list(ctx.args)
@@ -96,21 +102,29 @@ def command(
     if not mix:
         raise UserError("--faults: expected at least one KIND@STEP")
     from flows.prefect_env import apply_defaults
+    from supervisor.commands.logs import configure_logging
+    from supervisor.commands.progress import for_run
 
+    configure_logging(verbose)  # before MLflow and Prefect are imported (see configure_logging)
     apply_defaults(workdir)
     from flows.supervised import supervised_training
 
     lineage = f"drill-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = ",".join(f.key for f in mix)
     typer.echo(f"drill {lineage}: injecting {spec}")
-    result = supervised_training(
-        command=argv,
-        policy=str(policy),
-        lineage=lineage,
-        workdir=str(workdir),
-        stop_grace_seconds=stop_grace,
-        env={FAULTS_ENV: spec},
-    )
+    progress = for_run(argv, policy, lineage, workdir, every=progress_every).start()
+    try:
+        result = supervised_training(
+            command=argv,
+            policy=str(policy),
+            lineage=lineage,
+            workdir=str(workdir),
+            stop_grace_seconds=stop_grace,
+            env={FAULTS_ENV: spec},
+            progress_seconds=0,  # the live line above is this command's progress
+        )
+    finally:
+        progress.stop()
     verdicts = judge(mix, result["timeline"], pol, result["status"])
     print_verdicts(verdicts, result)
     raise typer.Exit(0 if all(v.passed for v in verdicts) else 1)
