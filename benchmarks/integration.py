@@ -163,6 +163,64 @@ def relaunch(workdir: Path, w: Workload, prep: dict[str, Any], run_id: str, i: i
     return phases(m, started, ours=True)
 
 
+def standby_launcher(w: Workload) -> Any:
+    """A standby launcher whose parked process imports what a standby of the example script would.
+
+    The relaunch child wraps the example (`-m benchmarks.integration_child`), so the example's top-level
+    imports, which the supervisor finds with `ast` in the script it runs, are named explicitly. No standby is
+    started behind a measured relaunch: each is parked by hand, and the launcher's own one waits an hour.
+    """
+    from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
+    from supervisor.launcher.standby_child import top_level_imports
+
+    source = (REPO / "examples" / EXAMPLES[w.integration]).read_text()
+    return StandbyLauncher(StandbyOptions(imports=tuple(top_level_imports(source)), delay_seconds=3600.0))
+
+
+def relaunch_standby(
+    workdir: Path, w: Workload, prep: dict[str, Any], run_id: str, i: int, launcher: Any
+) -> dict[str, Any]:
+    """`relaunch()` started in a parked standby: from the plan sent to the end of the first step; its phases."""
+    from benchmarks.integration_child import write_plan
+    from benchmarks.rollback import _ship
+    from supervisor.exitcodes import EXIT_STOPPED
+    from supervisor.launcher import LaunchSpec
+    from supervisor.runtime.plan import PLAN_ENV
+
+    plan = write_plan(
+        workdir / "resume", w.integration, run_id=run_id, every=AT_STEP, checkpoint_id=prep["checkpoint_id"]
+    )
+    out = workdir / f"standby-{i}.json"
+    env = child_env(**{PLAN_ENV: str(plan)})
+    spec = LaunchSpec(tuple(_child_cmd("relaunch", out, w)), env, cwd=str(workdir), inherit_env=False)
+    parked = launcher.park_for(spec)
+    if parked is None or not parked.wait_ready(CHILD_TIMEOUT_S):
+        raise BenchRunError(f"the standby did not park (pid {parked.pid if parked else None})")
+    rss = parked.rss_bytes()
+    lines: list[str] = []
+    started = time.time()
+    handle = launcher.start(spec, lambda stream, line: lines.append(f"{stream}: {line}"))
+    info = handle.wait(CHILD_TIMEOUT_S)
+    with (workdir / "standby.log").open("a") as log:
+        log.write("\n".join(lines) + "\n")
+    m = json.loads(out.read_text()) if out.exists() else {}
+    if int(handle.handle_id) != parked.pid or info.returncode != 0 or m.get("exit") != EXIT_STOPPED:
+        raise BenchRunError(
+            f"the standby relaunch ran in pid {handle.handle_id} (parked: {parked.pid}), exited "
+            f"{info.returncode} (the example: {m.get('exit')}); see {workdir / 'standby.log'}"
+        )
+    if m.get("restored_step") != AT_STEP or m.get("step") != AT_STEP + 1:
+        raise BenchRunError(
+            f"the standby relaunch restored step {m.get('restored_step')} and trained step {m.get('step')}; "
+            f"expected {AT_STEP} and {AT_STEP + 1}; see {workdir / 'standby.log'}"
+        )
+    _ship(plan, [AT_STEP])
+    out_phases = phases(m, started, ours=True)
+    # The plan sent -> the command runs as __main__: what a cold start spends in the interpreter and imports.
+    out_phases["activate_s"] = out_phases.pop("interpreter_s")
+    return {**out_phases, "parked_imports_s": parked.report["imports_s"], "parked_rss_bytes": rss}
+
+
 def framework(workdir: Path, w: Workload, prep: dict[str, Any], i: int) -> dict[str, Any]:
     """The framework's own resume from its own checkpoint, up to the end of its first step; its phases."""
     out = workdir / f"framework-{i}.json"
@@ -217,20 +275,24 @@ def run(
     if integration not in NO_IN_PROCESS:
         say(f"{integration}: in process, {reps} anomalies")
         inproc = in_process(workdir, w, run_id, reps)
-    relaunches, frameworks = [], []
-    for i in range(reps):  # interleaved, each going first every other time
-        for path in ("relaunch", "framework")[:: 1 if i % 2 == 0 else -1]:
-            say(f"{integration}: {path} {i + 1}/{reps}")
-            if path == "relaunch":
-                relaunches.append(relaunch(workdir, w, prep, run_id, i))
-            else:
-                frameworks.append(framework(workdir, w, prep, i))
+    relaunches, frameworks, standbys = [], [], []
+    with standby_launcher(w) as launcher:
+        for i in range(reps):  # interleaved, each going first every other time
+            for path in ("relaunch", "standby", "framework")[:: 1 if i % 2 == 0 else -1]:
+                say(f"{integration}: {path} {i + 1}/{reps}")
+                if path == "relaunch":
+                    relaunches.append(relaunch(workdir, w, prep, run_id, i))
+                elif path == "standby":
+                    standbys.append(relaunch_standby(workdir, w, prep, run_id, i, launcher))
+                else:
+                    frameworks.append(framework(workdir, w, prep, i))
     return summarize(
         integration,
         prep,
         inproc,
         relaunches,
         frameworks,
+        standbys=standbys,
         size=size,
         reps=reps,
         batch_size=batch_size,
@@ -380,6 +442,7 @@ def summarize(
     inproc: dict[str, Any] | None,
     relaunches: list[dict[str, Any]],
     frameworks: list[dict[str, Any]],
+    standbys: list[dict[str, Any]] | None = None,
     **info: Any,
 ) -> dict[str, Any]:
     """Medians, the target ratio with and without the step, and the in-process ratio where there is one."""
@@ -450,7 +513,49 @@ def summarize(
         },
         "machine": {**machine(), "load_average_1m_start": round(info["load_start"], 2)},
         "notes": _notes(integration),
+        **(
+            _standby_summary(standbys, full["framework_resume_s"], ready["framework_resume_s"])
+            if standbys
+            else {}
+        ),
     }
+
+
+def _standby_summary(
+    standbys: list[dict[str, Any]], framework_s: float | None, framework_ready_s: float | None
+) -> dict[str, Any]:
+    """`relaunch_standby_s` and its phases: the relaunch started in a parked standby (not for the script)."""
+    total = median([r["total_s"] for r in standbys])
+    ready = median([r["ready_s"] for r in standbys])
+    return {
+        "relaunch_standby_s": total,
+        "relaunch_standby": {
+            **{k: median([r[k] for r in standbys]) for k in _STANDBY_PHASES},
+            "excluding_step_s": ready,
+            "ratios": {
+                "relaunch_standby_s/framework_resume_s": ratio(total, framework_s),
+                "relaunch_standby_s/framework_resume_s (step excluded)": ratio(ready, framework_ready_s),
+            },
+            "samples": standbys,
+            "note": "relaunch_s's path started in a parked standby (policy `relaunch: {standby: true}`): a process "
+            "of the same command started beforehand, interpreter up and the example's top-level imports (torch, "
+            "the framework, our callback) done, waiting on a pipe; timed from the plan sent (activate_s: until "
+            "the command runs as __main__). parked_rss_bytes: its resident memory while parked.",
+        },
+    }
+
+
+_STANDBY_PHASES = (
+    "activate_s",
+    "import_s",
+    "build_s",
+    "setup_s",
+    "restore_s",
+    "loop_start_s",
+    "step_s",
+    "parked_imports_s",
+    "parked_rss_bytes",
+)
 
 
 def _phases(integration: str, path: str) -> tuple[str, ...]:

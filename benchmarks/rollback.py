@@ -19,7 +19,12 @@ from typing import Any
 from benchmarks.common import BenchRunError, child_env, machine, median, ratio, target
 from benchmarks.rollback_child import Example, write_plan
 
-TARGETS = {"in_process_s/naive_restart_s": 0.1, "relaunch_s/naive_restart_s": 1.0}
+TARGETS = {
+    "in_process_s/naive_restart_s": 0.1,
+    "relaunch_s/naive_restart_s": 1.0,
+    "relaunch_standby_s/naive_restart_s": 0.3,
+    "relaunch_parked_s/naive_restart_s": 0.3,
+}
 CHILD_TIMEOUT_S = 3600.0
 
 
@@ -103,6 +108,89 @@ def relaunch(workdir: Path, inproc: dict[str, Any], example: Example, i: int) ->
     }
 
 
+def standby_launcher(example: Example, park: str = "imports") -> Any:
+    """A standby launcher whose parked process imports what a standby of `python examples/charlm.py` would.
+
+    The relaunch child wraps the example (`-m benchmarks.rollback_child`), so the example's own top-level
+    imports, which the supervisor finds with `ast` in the script it runs, are named explicitly. No standby is
+    started behind a measured relaunch: each is parked by hand, and the launcher's own one waits an hour.
+    `park="plan"`: the parked process runs the relaunch child up to the example's `Session.attach`.
+    """
+    from benchmarks.common import CHARLM
+    from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
+    from supervisor.launcher.standby_child import top_level_imports
+
+    imports = tuple(top_level_imports(CHARLM.read_text())) + ("benchmarks.common",)
+    options = StandbyOptions(
+        imports=imports, delay_seconds=3600.0, park=park, park_timeout_seconds=CHILD_TIMEOUT_S
+    )
+    return StandbyLauncher(options)
+
+
+def relaunch_standby(
+    workdir: Path, inproc: dict[str, Any], example: Example, i: int, launcher: Any
+) -> dict[str, Any]:
+    """The relaunch of `relaunch()`, started in a parked standby: from the plan sent to the first step done.
+
+    A launcher that parks at the plan (`park="plan"`) has run the child up to `Session.attach` beforehand:
+    its import and build marks are then the parking's, and `activate_s` ends with the Session set up.
+    """
+    from supervisor.launcher import LaunchSpec
+    from supervisor.runtime.plan import PLAN_ENV
+
+    at_plan = launcher.park_point == "plan"
+    plan = write_plan(workdir, run_id=inproc["run_id"], checkpoint_id=inproc["checkpoint_id"])
+    out = workdir / f"{'parked' if at_plan else 'standby'}-{i}.json"
+    command = (sys.executable, "-m", "benchmarks.rollback_child", "relaunch", "--out", str(out), "--")
+    spec = LaunchSpec(
+        (*command, *example.charlm_args()), child_env(**{PLAN_ENV: str(plan)}), inherit_env=False
+    )
+    parked = launcher.park_for(spec)
+    if parked is None or not parked.wait_ready(CHILD_TIMEOUT_S):
+        raise BenchRunError(f"the standby did not park; see the log of pid {parked.pid if parked else None}")
+    rss = parked.rss_bytes()
+    lines: list[str] = []
+    started = time.time()
+    handle = launcher.start(spec, lambda stream, line: lines.append(f"{stream}: {line}"))
+    info = handle.wait(CHILD_TIMEOUT_S)
+    with (workdir / "standby.log").open("a") as log:
+        log.write("\n".join(lines) + "\n")
+    if int(handle.handle_id) != parked.pid or info.returncode != 0:
+        raise BenchRunError(
+            f"the standby relaunch ran in pid {handle.handle_id} (parked: {parked.pid}) and exited "
+            f"{info.returncode}; see {workdir / 'standby.log'}"
+        )
+    m = json.loads(out.read_text())
+    if m.get("restored_step") != inproc["checkpoint_step"]:
+        raise BenchRunError(
+            f"the standby relaunch restored step {m.get('restored_step')}, expected {inproc['checkpoint_step']}"
+        )
+    _ship(plan, [inproc["checkpoint_step"]])
+    if at_plan:  # interpreter, imports and build happened while parked (parked_s); timed: Session on
+        return {
+            "total_s": m["done"] - started,
+            "ready_s": m["restored"] - started,
+            "activate_s": m["session"] - started,
+            "restore_s": m["restored"] - m["session"],
+            "step_s": m["done"] - m["restored"],
+            "parked_s": parked.report["imports_s"],
+            "parked_build_s": m["built"] - m["imported"],
+            "parked_rss_bytes": rss,
+        }
+    return {
+        "total_s": m["done"] - started,
+        "ready_s": m["restored"] - started,
+        "activate_s": m["started"] - started,
+        "import_s": m["imported"] - m["started"],
+        "build_s": m["built"] - m["imported"],
+        "session_s": m["session"] - m["built"],
+        "restore_s": m["restored"] - m["session"],
+        "step_s": m["done"] - m["restored"],
+        "parked_imports_s": parked.report["imports_s"],
+        "parked_rss_bytes": rss,
+    }
+
+
 def _ship(plan_path: Path, restored_steps: list[int]) -> None:
     """Do the supervisor's part, untimed: ship a plan's spool to MLflow and check that its restores are there."""
     from mlflow.tracking import MlflowClient
@@ -158,16 +246,23 @@ def run(
     say(f"in-process: {reps} anomalies at size {size}")
     example = Example(size, batch_size, threads, device)
     inproc = in_process(workdir, example, reps)
-    relaunches, naives = [], []
-    for i in range(reps):
-        say(f"relaunch {i + 1}/{reps}")
-        relaunches.append(relaunch(workdir, inproc, example, i))
-        say(f"naive restart {i + 1}/{reps}")
-        naives.append(naive(workdir, inproc, example, i))
+    relaunches, naives, standbys, parkeds = [], [], [], []
+    with standby_launcher(example) as launcher, standby_launcher(example, park="plan") as at_plan:
+        for i in range(reps):
+            say(f"relaunch {i + 1}/{reps}")
+            relaunches.append(relaunch(workdir, inproc, example, i))
+            say(f"relaunch through the standby {i + 1}/{reps}")
+            standbys.append(relaunch_standby(workdir, inproc, example, i, launcher))
+            say(f"relaunch through the standby parked at its plan {i + 1}/{reps}")
+            parkeds.append(relaunch_standby(workdir, inproc, example, i, at_plan))
+            say(f"naive restart {i + 1}/{reps}")
+            naives.append(naive(workdir, inproc, example, i))
     return summarize(
         inproc,
         relaunches,
         naives,
+        standbys=standbys,
+        parked=parkeds,
         size=size,
         reps=reps,
         batch_size=batch_size,
@@ -178,7 +273,12 @@ def run(
 
 
 def summarize(
-    inproc: dict[str, Any], relaunches: list[dict[str, Any]], naives: list[dict[str, Any]], **info: Any
+    inproc: dict[str, Any],
+    relaunches: list[dict[str, Any]],
+    naives: list[dict[str, Any]],
+    standbys: list[dict[str, Any]] | None = None,
+    parked: list[dict[str, Any]] | None = None,
+    **info: Any,
 ) -> dict[str, Any]:
     """Medians, the issue's two ratios, and the same ratios up to the restore (the step taken out)."""
     anomalies = inproc["anomalies"]
@@ -196,10 +296,24 @@ def summarize(
         "relaunch_s": med(relaunches, "ready_s"),
         "naive_restart_s": med(naives, "ready_s"),
     }
+    standby: dict[str, Any] = {}
+    if standbys is not None:  # measured (the CLI always measures it)
+        full["relaunch_standby_s"] = med(standbys, "total_s")
+        ready["relaunch_standby_s"] = med(standbys, "ready_s")
+        standby["relaunch_standby"] = {
+            **{k: med(standbys, k) for k in _PHASES["standby"]},
+            "samples": standbys,
+        }
+    if parked is not None:  # measured (the CLI always measures it)
+        full["relaunch_parked_s"] = med(parked, "total_s")
+        ready["relaunch_parked_s"] = med(parked, "ready_s")
+        standby["relaunch_parked"] = {**{k: med(parked, k) for k in _PHASES["parked"]}, "samples": parked}
     targets = {}
     for suffix, values in (("", full), (" (step excluded)", ready)):
         for key, goal in TARGETS.items():
             num, den = key.split("/")
+            if num not in values:
+                continue
             targets[key + suffix] = target(ratio(values[num], values[den]), goal)
     # With the step included, no recovery path can be faster than the step itself: the in-process ratio's floor.
     resumed_step = med(anomalies, "step_s")
@@ -233,6 +347,7 @@ def summarize(
             "checkpoint_id": inproc["checkpoint_id"],
             "samples": relaunches,
         },
+        **standby,
         "naive_restart": {**{k: med(naives, k) for k in _PHASES["naive"]}, "samples": naives},
         "machine": {**machine(), "load_average_1m_start": round(info["load_start"], 2)},
         "notes": [
@@ -250,6 +365,17 @@ def summarize(
             "process start -> interpreter -> import torch and the model -> build -> "
             "torch.load(weights_only=True) + load_state_dict -> step done; it imports neither MLflow nor the "
             "supervisor runtime.",
+            "relaunch_standby_s: the same relaunch started in a parked standby (policy `relaunch: {standby: "
+            "true}`): a process started beforehand of the same command, interpreter up and the example's "
+            "top-level imports (torch, the supervisor runtime) done, waiting on a pipe. Timed from the moment "
+            "the supervisor sends it the plan (argv, cwd, environment) -> the command runs as __main__ "
+            "(activate_s) -> the rest as relaunch_s. parked_rss_bytes: the parked process's resident memory, "
+            "its cost while a segment runs; parked_imports_s: how long it took to park (off the critical path).",
+            "relaunch_parked_s: the same, parked at its plan (policy `relaunch: {standby: true, park: plan}`): "
+            "the standby ran the command from its first line, built the model, data and optimizer and waited "
+            "in `load_plan` (`Session.attach`). Timed from the plan sent -> per-segment environment set, Session "
+            "set up (activate_s) -> restore -> step done. parked_s: start to park point, parked_build_s: its "
+            "model build, parked_rss_bytes: its memory with the model built (all off the critical path).",
             "All paths read files just written by this benchmark: warm page cache.",
         ],
     }
@@ -266,4 +392,15 @@ def _device_name(device: str) -> str:
 _PHASES = {
     "relaunch": ("interpreter_s", "import_s", "build_s", "session_s", "restore_s", "step_s"),
     "naive": ("interpreter_s", "import_s", "build_s", "load_s", "step_s"),
+    "standby": (
+        "activate_s",
+        "import_s",
+        "build_s",
+        "session_s",
+        "restore_s",
+        "step_s",
+        "parked_imports_s",
+        "parked_rss_bytes",
+    ),
+    "parked": ("activate_s", "restore_s", "step_s", "parked_s", "parked_build_s", "parked_rss_bytes"),
 }

@@ -139,7 +139,13 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         "relaunch_s/naive_restart_s",
         "in_process_s/naive_restart_s (step excluded)",
         "relaunch_s/naive_restart_s (step excluded)",
+        "relaunch_standby_s/naive_restart_s",
+        "relaunch_standby_s/naive_restart_s (step excluded)",
+        "relaunch_parked_s/naive_restart_s",
+        "relaunch_parked_s/naive_restart_s (step excluded)",
     }
+    assert result["relaunch_parked_s"] > 0 and result["relaunch_parked"]["parked_build_s"] > 0
+    assert result["relaunch_standby_s"] > 0 and result["relaunch_standby"]["parked_rss_bytes"] > 0
     assert result["in_process"]["tiers"] == ["memory"]  # the fast path restored from the memory ring
     assert len(result["relaunch"]["samples"]) == len(result["naive_restart"]["samples"]) == 1
     assert all(result[k] > 0 for k in ("in_process_s", "relaunch_s", "naive_restart_s", "step_s"))

@@ -129,6 +129,10 @@ class LocalSegment:
             reader.start()
         return self
 
+    def restart_clock(self) -> None:
+        """Count the segment's duration from now (a parked standby becomes a segment long after it started)."""
+        self._t0 = time.monotonic()
+
     @property
     def handle_id(self) -> str:
         return str(self.pid)

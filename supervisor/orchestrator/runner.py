@@ -13,6 +13,7 @@ checks that it still does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -24,10 +25,13 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from policies import Decision, History, load_policy
+from policies.schema import Policy
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.remote import RemoteTier
 from supervisor.checkpoint.view import MergedCatalog
 from supervisor.launcher import Launcher, LaunchSpec, LocalLauncher, OnLine
+from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
+from supervisor.launcher.warmup import warm_checkpoint
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
 from supervisor.monitor import Monitor
@@ -70,6 +74,7 @@ class LineageRunner:
         self.clock = clock
         self.sleep = sleep
         self.policy = load_policy(options.policy_path)
+        self.options = options = with_standby(options, self.policy)
         ck = self.policy.checkpoint
         self.layout = LineageLayout.resolve(options.workdir, ck.storage, options.lineage, ck.remote)
         self.book = LineageBook(
@@ -194,7 +199,9 @@ class LineageRunner:
         return self.layout.local / "metrics"
 
     def close(self) -> None:
-        """Stop renewing the lease and release it."""
+        """Kill the parked standby, stop renewing the lease and release it."""
+        if isinstance(self.options.launcher, StandbyLauncher):
+            self.options.launcher.close()
         self.book.close()
 
     def _save(self) -> None:
@@ -341,6 +348,8 @@ class LineageRunner:
             save=self._save,
             clock=self.clock,
         )
+        if not plan.restore.from_scratch:  # read the target ahead on a thread while the process starts
+            warm_checkpoint(self.layout.checkpoints, plan.restore.checkpoint_id)
         return run.run(
             seg,
             LaunchSpec(command, env_overrides=env, cwd=o.cwd, name=f"{o.lineage}-{index}"),
@@ -421,6 +430,24 @@ class LineageRunner:
                 log.warning("remote checkpoint store %s unavailable: %s", self.layout.remote, exc)
         allow = self.policy.checkpoint.allow_nonfinite
         return MergedCatalog(catalogs, allow_nonfinite=allow) if catalogs else None
+
+
+def with_standby(options: RunOptions, policy: Policy) -> RunOptions:
+    """`options` with a standby launcher (kept from segment to segment, closed by `close()`) where the policy
+    asks for one and no launcher was given; the local launcher alone can park a process."""
+    relaunch = policy.relaunch
+    if not relaunch.standby:
+        return options
+    if options.launcher is not None or policy.launcher.type != "local":
+        log.warning("relaunch.standby: local launcher only; this launcher starts each segment cold")
+        return options
+    standby = StandbyOptions(
+        tuple(relaunch.imports),
+        relaunch.standby_delay_seconds,
+        park=relaunch.park,
+        park_timeout_seconds=relaunch.park_timeout_seconds,
+    )
+    return dataclasses.replace(options, launcher=StandbyLauncher(standby))
 
 
 class _SegmentMonitor:

@@ -1,4 +1,11 @@
-"""The launch plan: what the supervisor tells one training segment (which checkpoint, skip, LR scale)."""
+"""The launch plan: what the supervisor tells one training segment (which checkpoint, skip, LR scale).
+
+`load_plan` is also the park point of a `relaunch.park: plan` standby: the parked process runs the training
+script up to its first `load_plan` (reached by `Session.attach` and the Lightning / Hugging Face callbacks at
+fit / train start) and waits there for its segment. So nothing of ours reads per-segment state before it: the
+plan file, and every `ROLLBACK_SUPERVISOR_*` variable (`PLAN_ENV`, the drill's `ROLLBACK_SUPERVISOR_FAULTS`),
+are read from `load_plan` on, never at import or while a model is built.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +22,8 @@ from typing import Any
 from supervisor.errors import UserError
 
 PLAN_ENV = "ROLLBACK_SUPERVISOR_PLAN"
+#: The module a parked standby puts in `sys.modules` (`supervisor/launcher/standby_child.py`, same name).
+PARK_MODULE = "_rollback_supervisor_park"
 log = logging.getLogger("rollback_supervisor.runtime")
 
 
@@ -113,8 +123,17 @@ def standalone_plan(run_name: str, workdir: Path | None, policy: Path | None) ->
     )
 
 
+def park_point() -> None:
+    """In a parked standby, wait here for the segment (its per-segment variables are set on return); elsewhere,
+    and on every later call, return at once."""
+    park = sys.modules.pop(PARK_MODULE, None)
+    if park is not None:
+        park.wait()
+
+
 def load_plan(run_name: str, workdir: Path | None = None, policy: Path | None = None) -> LaunchPlan:
-    """The supervisor's plan from `$ROLLBACK_SUPERVISOR_PLAN`, or a stand-alone one."""
+    """The supervisor's plan from `$ROLLBACK_SUPERVISOR_PLAN`, or a stand-alone one (after the park point)."""
+    park_point()
     path = os.environ.get(PLAN_ENV)
     if path:
         return LaunchPlan.read(Path(path))

@@ -1,0 +1,144 @@
+"""A resume through the warm standby is bit-identical to one through a cold start.
+
+The supervisor core (LineageRunner, no Prefect) runs the example; the drill SIGKILLs it at step 22 and the
+policy resumes from the checkpoint of step 20. With `relaunch: {standby: true}` the second segment runs in
+the process parked while the first one trained; without it, in a fresh one. Final parameters, optimizer state
+and every logged loss after the resume point must be equal bit for bit.
+
+With `park: plan` the standby has also run the example up to `Session.attach` (model, data and optimizer
+built) before the decision; a wrapper of the example records, per process, when it built and when it
+attached, so the test sees that the build came before the segment was launched and was not redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from supervisor.orchestrator import LineageRunner, RunOptions, python_command
+from tests.flowkit import CHARLM, FAST_POLICY, SMALL, assert_same_state, live_series, load_final_state
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+STEPS = 24
+RESUME_STEP = 20
+
+
+#: The example, with marks: one `{"what": built | attached, "pid", "t"}` line per event in marks.jsonl beside it.
+MARKED = f"""\
+import importlib.util, json, os, sys, time
+spec = importlib.util.spec_from_file_location("charlm", {CHARLM!r})
+charlm = sys.modules["charlm"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(charlm)
+MARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "marks.jsonl")
+def mark(what):
+    with open(MARKS, "a") as f:
+        f.write(json.dumps({{"what": what, "pid": os.getpid(), "t": time.time()}}) + "\\n")
+build, attach = charlm.build, charlm.Session.attach
+def marked_build(*args):
+    parts = build(*args)
+    mark("built")
+    return parts
+def marked_attach(**kwargs):
+    sess = attach(**kwargs)
+    mark("attached")
+    return sess
+charlm.build, charlm.Session.attach = marked_build, marked_attach
+if __name__ == "__main__":
+    sys.exit(charlm.main())
+"""
+
+
+def supervise(
+    workdir: Path, standby: bool, park: str | None = None, marked: bool = False
+) -> tuple[dict, LineageRunner]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = workdir / "policy.yaml"
+    relaunch = "relaunch: {standby: true, standby_delay_seconds: 0}\n" if standby else ""
+    if park:
+        relaunch = f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}}}\n"
+    policy.write_text(FAST_POLICY.read_text() + relaunch)
+    script = CHARLM
+    if marked:  # the marked example, cold and parked alike
+        script = str(workdir / "marked_charlm.py")
+        Path(script).write_text(MARKED)
+    options = RunOptions(
+        command=python_command(["python", script, "--steps", str(STEPS), "--eval-every", "20", *SMALL]),
+        policy_path=str(policy),
+        lineage="standby",
+        workdir=workdir,
+        stop_grace_seconds=10,
+        env={"ROLLBACK_SUPERVISOR_FAULTS": "kill@22"},
+        max_segments=4,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise().to_dict()
+    return record, runner
+
+
+def final_state(record: dict, runner: LineageRunner) -> tuple[dict, dict[int, float]]:
+    assert [s["outcome"] for s in record["segments"]][-1] == "finished"
+    second = record["segments"][1]
+    assert second["restore"]["checkpoint_id"].startswith(f"{RESUME_STEP:010d}-")
+    result = {"tracking_uri": record["mlflow"]["tracking_uri"], "mlflow_run_id": record["mlflow"]["run_id"]}
+    state = load_final_state(runner.layout.checkpoints, record["final_checkpoint"], STEPS, SMALL)
+    return state, live_series(result, "loss")
+
+
+def test_a_resume_through_the_standby_is_bit_identical_to_a_cold_one(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
+    cold_record, cold_runner = supervise(tmp_path / "cold", standby=False)
+    assert "standby" not in caplog.text
+    warm_record, warm_runner = supervise(tmp_path / "warm", standby=True)
+
+    used = [int(pid) for pid in re.findall(r"segment starts in standby pid (\d+)", caplog.text)]
+    second = warm_record["segments"][1]
+    assert second["returncode"] == 0 and used == [second["pid"]]  # the resumed segment ran in the standby
+    assert warm_record["segments"][0]["returncode"] == -9
+    target = second["restore"]["checkpoint_id"]  # read ahead into the page cache while the segment started
+    assert re.search(rf"page-cache warm-up of checkpoint {target}: [1-9]\d* files", caplog.text)
+    assert re.search(r"standby pid \d+ discarded: the supervisor is closing", caplog.text)  # none left behind
+
+    cold, cold_losses = final_state(cold_record, cold_runner)
+    warm, warm_losses = final_state(warm_record, warm_runner)
+    assert_same_state(cold, warm)
+    resumed = range(RESUME_STEP + 1, STEPS + 1)
+    assert [warm_losses[s] for s in resumed] == [cold_losses[s] for s in resumed]
+
+
+def marks(workdir: Path) -> dict[int, dict[str, list[float]]]:
+    """pid -> {what: [times]} from the marked example's marks.jsonl."""
+    out: dict[int, dict[str, list[float]]] = {}
+    for line in (workdir / "marks.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        out.setdefault(m["pid"], {}).setdefault(m["what"], []).append(m["t"])
+    return out
+
+
+def test_a_resume_through_a_standby_parked_at_its_plan_is_bit_identical_and_built_beforehand(
+    tmp_path: Path, caplog
+):
+    caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
+    cold_record, cold_runner = supervise(tmp_path / "cold", standby=False, marked=True)
+    parked_record, parked_runner = supervise(tmp_path / "parked", standby=True, park="plan", marked=True)
+
+    used = [int(pid) for pid in re.findall(r"segment starts in standby pid (\d+)", caplog.text)]
+    first, second = parked_record["segments"][0], parked_record["segments"][1]
+    assert first["returncode"] == -9 and second["returncode"] == 0 and used == [second["pid"]]
+    assert "the script up to its plan took" in caplog.text
+    seen = marks(tmp_path / "parked")
+    resumed = seen[second["pid"]]
+    # Built once, before the segment was launched (while the first one trained), attached after the launch.
+    assert len(resumed["built"]) == 1 and len(resumed["attached"]) == 1
+    assert resumed["built"][0] < second["started"] <= resumed["attached"][0]
+    assert resumed["built"][0] < first["ended"]
+    assert re.search(r"standby pid \d+ discarded: the supervisor is closing", caplog.text)  # none left behind
+
+    cold, cold_losses = final_state(cold_record, cold_runner)
+    parked, parked_losses = final_state(parked_record, parked_runner)
+    assert_same_state(cold, parked)
+    steps = range(RESUME_STEP + 1, STEPS + 1)
+    assert [parked_losses[s] for s in steps] == [cold_losses[s] for s in steps]
