@@ -33,6 +33,13 @@ def main(
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads in the children."),
     workdir: Path | None = typer.Option(None, "--workdir", help="Scratch directory (kept when given)."),
     device: str = typer.Option("cpu", "--device", help="Where the example trains: cpu or cuda."),
+    overhead_steps: int = typer.Option(
+        100,
+        "--overhead-steps",
+        min=0,
+        help="Also supervise this many steps of the example with no fault and report the supervisor's CPU "
+        "time against the training's (supervisor_cpu_s; target <= 2%); 0 skips it.",
+    ),
     integration: str | None = typer.Option(
         None,
         "--integration",
@@ -68,6 +75,14 @@ def main(
             from benchmarks.rollback import run
 
             result = run(scratch, size, reps, batch_size, threads, device=device, say=say)
+            if overhead_steps:
+                from benchmarks.overhead import supervisor_cpu
+
+                say(f"supervisor CPU time over {overhead_steps} supervised steps")
+                cost = supervisor_cpu(scratch / "overhead", size, overhead_steps, threads)
+                result["supervisor_cpu"] = cost
+                result["supervisor_cpu_s"] = cost["supervisor_cpu_s"]
+                result["targets"].update(cost["targets"])
     finally:
         if workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)

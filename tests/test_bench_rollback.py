@@ -113,6 +113,8 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         str(out),
         "--workdir",
         str(tmp_path),
+        "--overhead-steps",
+        "12",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -143,7 +145,11 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         "relaunch_standby_s/naive_restart_s (step excluded)",
         "relaunch_parked_s/naive_restart_s",
         "relaunch_parked_s/naive_restart_s (step excluded)",
+        "supervisor_cpu_s/training_cpu_s",
     }
+    cost = result["supervisor_cpu"]
+    assert cost["steps"] == 12 and result["supervisor_cpu_s"] == cost["supervisor_cpu_s"] > 0
+    assert 0 < cost["supervisor_cpu_s"] < cost["training_cpu_s"]
     assert result["relaunch_parked_s"] > 0 and result["relaunch_parked"]["parked_build_s"] > 0
     assert result["relaunch_standby_s"] > 0 and result["relaunch_standby"]["parked_rss_bytes"] > 0
     assert result["in_process"]["tiers"] == ["memory"]  # the fast path restored from the memory ring
