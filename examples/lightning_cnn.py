@@ -1,7 +1,8 @@
 """A small CNN trained with PyTorch Lightning; supervised by one added line, `RollbackSupervisor()`.
 
 Runs stand-alone (checkpoints and a local MLflow store under .rollback/) or under `rollback-supervisor run`.
-The data are seeded synthetic 16x16 images of four shapes, shuffled by a seeded torchdata StatefulDataLoader;
+The data are seeded synthetic 16x16 images of four shapes, shuffled by a seeded torchdata StatefulDataLoader
+(or, with --plain-loader, a plain torch DataLoader(shuffle=True), which the callback makes resumable);
 the model has dropout and a linear LR warm-up. Each step logs its loss, gradient norm, LR and the dataset index
 of its batch's first sample, so a resume or a rollback shows in the curves.
 
@@ -68,6 +69,7 @@ class ShapesCNN(L.LightningModule):
         batch_size: int = 16,
         train_size: int = 256,
         seed: int = 0,
+        plain_loader: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -109,8 +111,10 @@ class ShapesCNN(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> DataLoader:
         data = Shapes(self.hparams.train_size, self.hparams.seed)
+        if self.hparams.plain_loader:  # shuffled from torch's global RNG, seeded by seed_everything()
+            return DataLoader(data, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
         generator = torch.Generator().manual_seed(self.hparams.seed)
         return StatefulDataLoader(
             data, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, generator=generator
@@ -153,6 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also log through Lightning's MLFlowLogger (into the lineage's run under the supervisor)",
     )
     p.add_argument("--batch-counter", action="store_true", help="add BatchCounter, a callback with state")
+    p.add_argument(
+        "--plain-loader",
+        action="store_true",
+        help="a plain torch DataLoader instead of the StatefulDataLoader",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--workdir", type=Path, default=None, help="stand-alone run directory (default .rollback/)"
@@ -164,7 +173,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> tuple[L.Trainer, ShapesCNN]:
     """The Trainer and the module, seeded from `args.seed`."""
     L.seed_everything(args.seed, verbose=False)
-    model = ShapesCNN(args.lr, args.warmup, 0.2, args.batch_size, args.train_size, args.seed)
+    model = ShapesCNN(
+        args.lr, args.warmup, 0.2, args.batch_size, args.train_size, args.seed, args.plain_loader
+    )
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",

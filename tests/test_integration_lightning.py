@@ -246,24 +246,32 @@ def test_stand_alone_script_runs_and_exits_0(tmp_path: Path, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [6, 12]
 
 
-def test_a_plain_dataloader_is_refused_in_one_line_with_exit_2(tmp_path: Path, capsys, monkeypatch):
-    """A loader without a position would resume its epoch from the start: refused before anything starts."""
+def test_a_loader_over_an_iterable_dataset_is_refused_in_one_line_with_exit_2(
+    tmp_path: Path, capsys, monkeypatch
+):
+    """A plain DataLoader is made resumable (tests/test_integration_lightning_plain.py), but one over an
+    IterableDataset has no sampler order to replay: refused before anything starts."""
     import lightning_cnn
 
-    class PlainLoader(lightning_cnn.ShapesCNN):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(lightning_cnn.Shapes(64, 0))
+
+    class StreamLoader(lightning_cnn.ShapesCNN):
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(lightning_cnn.Shapes(64, 0), batch_size=16, shuffle=True)
+            return torch.utils.data.DataLoader(Stream(), batch_size=16)
 
     monkeypatch.delenv("ROLLBACK_SUPERVISOR_PLAN", raising=False)
     monkeypatch.chdir(tmp_path)
     trainer = lightning_cnn.build(lightning_cnn.parse_args(["--steps", "4", "--workdir", str(tmp_path)]))[0]
     with pytest.raises(SystemExit) as exited:
-        trainer.fit(PlainLoader())
+        trainer.fit(StreamLoader())
     assert exited.value.code == 2
     err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if "error" in line.lower()]
     assert "Traceback" not in err
-    assert line.startswith("error: register('data'): a plain torch DataLoader with shuffle=True")
+    assert line.startswith("error: RollbackSupervisor: the train loader reads an IterableDataset (Stream)")
+    assert "StatefulDataLoader" in line  # how to fix it
     assert not (tmp_path / "standalone").exists()  # nothing was started
 
 
@@ -322,23 +330,32 @@ def test_a_second_fit_with_the_same_callback_is_refused(tmp_path: Path, capsys, 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before  # no step-0 checkpoint
 
 
-PLAIN_LOADER_SCRIPT = """
+CUSTOM_SAMPLER_SCRIPT = """
 import sys, torch
 sys.path.insert(0, {examples!r})
 import lightning_cnn
 
-class PlainLoader(lightning_cnn.ShapesCNN):
+class EveryOther(torch.utils.data.Sampler):
+    def __init__(self, n):
+        self.n = n
+    def __iter__(self):
+        return iter(torch.randperm(self.n)[::2].tolist())
+    def __len__(self):
+        return self.n // 2
+
+class CustomSampler(lightning_cnn.ShapesCNN):
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(lightning_cnn.Shapes(64, 0), batch_size=16, shuffle=True)
+        return torch.utils.data.DataLoader(lightning_cnn.Shapes(64, 0), batch_size=16, sampler=EveryOther(64))
 
 trainer = lightning_cnn.build(lightning_cnn.parse_args(["--steps", "4", "--workdir", {workdir!r}]))[0]
-trainer.fit(PlainLoader())
+trainer.fit(CustomSampler())
 """
 
 
 def test_a_refusal_in_a_real_process_is_one_error_line_and_exit_2(tmp_path: Path):
-    """The process a user runs: exit code 2, one `error:` line on stderr, no traceback."""
-    script = PLAIN_LOADER_SCRIPT.format(examples=str(REPO / "examples"), workdir=str(tmp_path))
+    """The process a user runs: exit code 2, one `error:` line on stderr, no traceback. A sampler of the user's
+    own draws its order in ways a resume cannot replay."""
+    script = CUSTOM_SAMPLER_SCRIPT.format(examples=str(REPO / "examples"), workdir=str(tmp_path))
     env = {k: v for k, v in os.environ.items() if k != "ROLLBACK_SUPERVISOR_PLAN"}
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
@@ -346,4 +363,7 @@ def test_a_refusal_in_a_real_process_is_one_error_line_and_exit_2(tmp_path: Path
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert line.startswith("error: register('data'): a plain torch DataLoader with shuffle=True")
+    assert line.startswith(
+        "error: RollbackSupervisor: the train loader's sampler is EveryOther, whose order a resume"
+    )
+    assert "set_epoch(epoch)" in line and "StatefulDataLoader" in line

@@ -7,21 +7,29 @@
   progress (so a resume lands mid-epoch, through Lightning's own restart logic), every RNG stream, the
   train loader's position, every other callback's `state_dict()` (Timer, EarlyStopping, ModelCheckpoint), the
   datamodule's `state_dict()` and what the module's `on_save_checkpoint()` adds (see `_ExtrasPart`).
-  `train_dataloader()` must return one torchdata `StatefulDataLoader` (`supervisor.data.ResumableLoader` is
-  one); a plain `DataLoader` has no position and is refused. With `enable_checkpointing=True` (Lightning's
-  default) Lightning still writes its own pickled `.ckpt` files: a warning at fit start says so; pass
-  `Trainer(enable_checkpointing=False)`.
+  `train_dataloader()` returns one loader: a torchdata `StatefulDataLoader` (`supervisor.data.ResumableLoader`
+  is one) saves its own position; a plain torch `DataLoader` (shuffled or not, any batch size, `drop_last`,
+  workers) is made resumable by `supervisor.integrations.order.PlainOrder`, which replays each epoch's order
+  from the RNG state it was drawn from, so a run that never resumed draws exactly what it would without the
+  callback (one over an `IterableDataset`, or with a sampler of its own, is refused; see that module). With
+  `enable_checkpointing=True` (Lightning's default) Lightning still writes its own pickled `.ckpt` files: a
+  warning at fit start says so; pass `Trainer(enable_checkpointing=False)`.
 - **Saves** happen at the end of a training batch that stepped the optimizer, when the policy says so.
 - **Restore** at fit start, per the launch plan: its checkpoint (or the latest valid one), then the skip and
   the LR scale of every optimizer and scheduler. A skip moves the loop's batch counters along with the loader,
-  so the loop's epochs end where the loader's do (see `_TrainData`); with `accumulate_grad_batches=k` a skip
-  is rounded up to end on an optimizer-step boundary (logged). `fit(ckpt_path=...)` is refused, but only once
+  so the loop's epochs end where the loader's do (see `_TrainData`). With `accumulate_grad_batches=k` a skip
+  is rounded up to the next batch position in the epoch that is a multiple of k (or the epoch's last batch),
+  so the next optimizer step still accumulates k batches; the warning names both counts (k=2, restored 8
+  batches into an epoch, a plan's skip of 3 skips 4: the first step trains on batches 12 and 13, counted
+  from 0). `fit(ckpt_path=...)` is refused, but only once
   the callback runs: Lightning has already loaded (unpickled) that file by then, so do not pass it.
 - **Metrics** logged with `self.log` during a training step reach the core (the in-process detectors and the
   lineage's MLflow run) at that step. When validation runs after a batch (`val_check_interval`, an epoch's
-  end), that step's decision (detectors, a due save, a rollback) waits for `on_validation_end`, as Lightning's
+  end), that step's decision (detectors, a due save, a rollback) waits for the validation, as Lightning's
   ModelCheckpoint does: the detectors see the step's val metrics with its training metrics, and its checkpoint
-  carries both and is taken after validation (the RNG streams as the next training step finds them; a
+  carries both and is taken after every callback's and the module's `on_validation_end` (so what a callback
+  placed after ours, or Lightning's ModelCheckpoint, which it always puts last, updates there is in it), at
+  the loop's plateau-scheduler update that follows (the RNG streams as the next training step finds them; a
   relaunch from it resumes through Lightning's own "restarted after validation" path, without validating
   again). A time-based `val_check_interval` cannot be told in advance: there validation metrics join the next
   step's. A user's `MLFlowLogger` logs to the lineage's run when built with `lineage_mlflow_logger()`.
@@ -29,7 +37,10 @@
   loader, callbacks' state) at the end of a batch; the callback restarts the loop's iterator over the loader,
   drops what the thrown-away batch logged (Lightning's loggers and callback metrics never see it, on-epoch
   aggregates start over from the restored step), skips that batch's validation and ReduceLROnPlateau step,
-  and Lightning goes on as if the restored batch had just ended. A rollback decided after validation comes
+  and Lightning goes on as if the restored batch had just ended. Not replayed: the restored step's own step of
+  a step-interval `ReduceLROnPlateau`, which Lightning takes after the batch's end and its validation, where
+  the checkpoint was taken (a relaunch misses it too, as Lightning's own resume from such a checkpoint does):
+  such a scheduler counts one step fewer per restore. A rollback decided after validation comes
   after Lightning has handed that batch's metrics to its loggers (each `log_every_n_steps`) and the
   validation's to its loggers and callbacks; the callbacks' state is rolled back with the rest.
 - **Stops.** SIGTERM or a preemption notice: an emergency checkpoint, then `fit()` ends with `SystemExit(75)`;
@@ -51,6 +62,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +77,7 @@ from supervisor.data import loader_part
 from supervisor.errors import UserError
 from supervisor.flatten import flatten
 from supervisor.integrations.lightning_loops import (
+    after_validation,
     align_batch_progress,
     aligned_skip,
     check_private_apis,
@@ -76,6 +89,7 @@ from supervisor.integrations.lightning_loops import (
     unpatch,
     validation_follows,
 )
+from supervisor.integrations.order import PlainOrder, check_plain, deferred_iterators, is_plain
 from supervisor.rng import capture_rng, restore_rng
 from supervisor.runtime.actions import Rollback, SaveDue, Stop
 from supervisor.runtime.core import TrainingCore
@@ -138,8 +152,10 @@ class RollbackSupervisor(Callback):
             check_private_apis(trainer)
             _check_trainer(trainer, pl_module)
             _warn_lightning_checkpoints(trainer)
-            # The loop builds the train loader now rather than at its start, so the restore below reaches it.
-            trainer.fit_loop.setup_data()
+            # The loop builds the train loader now rather than at its start, so the restore below reaches it; a
+            # plain loader's first iterator is opened at on_train_start, where the loop would open it.
+            with deferred_iterators():
+                trainer.fit_loop.setup_data()
             self._data = _TrainData(trainer, _train_loader(trainer))
             run_name = self.run_name or type(pl_module).__name__
             plan = load_plan(run_name, self.workdir, self.policy)
@@ -191,7 +207,15 @@ class RollbackSupervisor(Callback):
         """The loop is about to fetch its first batch: from the restored position, then SIGTERM is ours."""
         core = self.core
         assert core is not None
-        if self._rng_after_restore is not None:
+        data = self._data
+        assert data is not None
+        if data.plain is not None:
+            if self._rng_after_restore is not None:
+                restore_rng(self._rng_after_restore)
+                self._rng_after_restore = None
+            # A replayed epoch spends no draw; a new one draws from the restored streams, as the loop would.
+            data.reopen(keep_fetched=False, draw=True)
+        elif self._rng_after_restore is not None:
             restart_data(trainer, keep_fetched=False)  # the loop fetches from the loader's restored position
             # The sanity check and the loop's set-up ran since the restore; the first step must draw exactly
             # what the interrupted run would have.
@@ -240,7 +264,7 @@ class RollbackSupervisor(Callback):
         self._carry = {}
         final = _final(trainer, step)
         if validation_follows(trainer):
-            self._pending = _Pending(step, metrics, final)  # decided in on_validation_end
+            self._pending = _Pending(step, metrics, final)  # decided after the validation
             return
         self._decide(trainer, step, metrics, final, batch_ended=True)
 
@@ -256,7 +280,15 @@ class RollbackSupervisor(Callback):
             self._carry.update(metrics)
             self._last = {**self._last, **metrics}
             return
-        self._decide(trainer, pending.step, {**pending.metrics, **metrics}, pending.final, batch_ended=False)
+        metrics = {**pending.metrics, **metrics}
+
+        def decide() -> bool:
+            before = core.rollbacks_in_process
+            self._decide(trainer, pending.step, metrics, pending.final, batch_ended=False)
+            return core.rollbacks_in_process != before
+
+        # After every callback's on_validation_end (ours may come before theirs): their updates are checkpointed.
+        after_validation(trainer, decide)
 
     def _decide(
         self, trainer: pl.Trainer, step: int, metrics: dict[str, float], final: bool, *, batch_ended: bool
@@ -271,7 +303,8 @@ class RollbackSupervisor(Callback):
         elif isinstance(action, Rollback):
             settle_loops(trainer.fit_loop)
             align_batch_progress(trainer, batch_ended=batch_ended)
-            restart_data(trainer, keep_fetched=True)
+            assert self._data is not None
+            self._data.reopen(keep_fetched=True, draw=False)
             discard_batch(trainer, validated=not batch_ended)  # its logs, validation and plateau step
             log.warning(
                 "in-process rollback to %s: Lightning resumes at step %d (skipped %d batches, lr x%g)",
@@ -356,6 +389,8 @@ class RollbackSupervisor(Callback):
         try:
             core.close()
         finally:
+            if self._data is not None:
+                self._data.close()
             if self._signals:
                 core.restore_signal_handlers()
                 self._signals = False
@@ -455,8 +490,8 @@ class _Pending:
 
 
 class _TrainData:
-    """The train loader's position (its registered form, `supervisor.data.loader_part`), and a skip that moves
-    Lightning's loop along with it.
+    """The train loader's position (a plain DataLoader's `PlainOrder`, else its registered form,
+    `supervisor.data.loader_part`), and a skip that moves Lightning's loop along with it.
 
     Skipping `n` batches advances the loader and the fit loop's batch counters together, as if the batches had
     been fetched and not trained on: the loop's epoch then ends where the loader's does, and a skip past an
@@ -467,8 +502,31 @@ class _TrainData:
 
     def __init__(self, trainer: pl.Trainer, loader: Any):
         self._trainer = trainer
-        self.part = loader_part("data", loader)
+        self.plain: PlainOrder | None = None
+        if is_plain(loader):
+            epoch_loop = trainer.fit_loop.epoch_loop
+            self.plain = PlainOrder(
+                loader,
+                fetched=lambda: epoch_loop.batch_progress.current.ready,
+                epoch_now=lambda: trainer.fit_loop.epoch_progress.current.processed,
+            )
+            self.plain.install()
+            _explain_plain(loader, self.plain)
+        self.part = self.plain if self.plain is not None else loader_part("data", loader)
         self.batches_skipped = 0
+
+    def reopen(self, *, keep_fetched: bool, draw: bool) -> None:
+        """Restart the loop's iterator over the loader from its loaded position (see `PlainOrder.reopen`)."""
+        if self.plain is None:
+            restart_data(self._trainer, keep_fetched=keep_fetched)
+            return
+        self.plain.reopen(
+            lambda kept: restart_data(self._trainer, keep_fetched=keep_fetched, kept=kept), draw=draw
+        )
+
+    def close(self) -> None:
+        if self.plain is not None:
+            self.plain.uninstall()
 
     def state_dict(self) -> dict[str, Any]:
         return self.part.state_dict()
@@ -596,9 +654,15 @@ def _train_loader(trainer: pl.Trainer) -> Any:
         )
     if not isinstance(loader, torch.utils.data.DataLoader):
         raise LightningSetupError(
-            f"RollbackSupervisor: train_dataloader() returned {type(loader).__name__}; expected a torchdata "
-            "StatefulDataLoader (or supervisor.data.ResumableLoader), whose position can be checkpointed"
+            f"RollbackSupervisor: train_dataloader() returned {type(loader).__name__}; expected a torch DataLoader "
+            "or a torchdata StatefulDataLoader (or supervisor.data.ResumableLoader), whose position can be "
+            "checkpointed"
         )
+    if is_plain(loader):
+        try:
+            check_plain(loader)
+        except UserError as exc:
+            raise LightningSetupError(f"RollbackSupervisor: {exc}") from None
     if trainer.num_training_batches != len(loader):
         raise LightningSetupError(
             f"RollbackSupervisor: Trainer(limit_train_batches={trainer.limit_train_batches!r}) ends each epoch after "
@@ -606,6 +670,27 @@ def _train_loader(trainer: pl.Trainer) -> Any:
             "the loop's epochs part ways; give the loader the data you want per epoch and leave the limit at 1.0"
         )
     return loader
+
+
+def _explain_plain(loader: torch.utils.data.DataLoader, order: PlainOrder) -> None:
+    """Log how a plain loader is made resumable, and what stays inexact."""
+    log.info(
+        "train loader: a plain DataLoader (%s, %d batches an epoch); each epoch's order is noted as the RNG state "
+        "it is drawn from, so a resume replays it and goes on at the exact batch",
+        order.sampler_name,
+        order.per_epoch,
+    )
+    # Lightning warns that a loader without state_dict() resumes mid-epoch unreliably; this one does not.
+    warnings.filterwarnings(
+        "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+    )
+    if loader.num_workers > 0:
+        log.warning(
+            "train loader: num_workers=%d; the worker processes' RNG streams are not checkpointed, so random draws "
+            "inside the dataset's __getitem__ differ after a resume (the batches' indices do not); "
+            "supervisor.data.ResumableLoader saves them",
+            loader.num_workers,
+        )
 
 
 def _final(trainer: pl.Trainer, step: int) -> bool:

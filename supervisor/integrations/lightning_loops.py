@@ -23,7 +23,7 @@ silently gaining a new, unused attribute. Written against `SUPPORTED_LIGHTNING`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -161,12 +161,18 @@ def align_batch_progress(trainer: pl.Trainer, *, batch_ended: bool) -> None:
     batches.total.completed = batches.total.processed - (1 if batches.total.processed and batch_ended else 0)
 
 
-def restart_data(trainer: pl.Trainer, *, keep_fetched: bool) -> None:
-    """Restart the fit loop's iterator over the train loader, from the loader's (restored) position."""
+def restart_data(trainer: pl.Trainer, *, keep_fetched: bool, kept: bool = True) -> None:
+    """Restart the fit loop's iterator over the train loader, from the loader's (restored) position.
+
+    `kept`: the global RNG streams are left as they were (else the loader draws from them, as its loop would).
+    """
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is None:
         return
-    with rng_kept():
+    if kept:
+        with rng_kept():
+            iter(fetcher)
+    else:
         iter(fetcher)
     if keep_fetched:  # mid-epoch: the epoch loop counts what this epoch has fetched from here
         fetcher.fetched = trainer.fit_loop.epoch_loop.batch_progress.current.ready
@@ -226,6 +232,30 @@ def _skip_next_plateau_step(epoch_loop: Any) -> None:
         original(epoch_loop, interval, update_plateau_schedulers)
 
     epoch_loop.update_lr_schedulers = once
+
+
+def after_validation(trainer: pl.Trainer, decide: Callable[[], bool]) -> None:
+    """Run `decide` once every callback's and the module's `on_validation_end` has run after this batch.
+
+    That is the epoch loop's plateau-scheduler update that follows its validation (nothing in between draws
+    from the RNG streams or fetches data), so a checkpoint taken there holds what callbacks placed after ours
+    (Lightning puts ModelCheckpoint last) updated after the validation. `decide` returns whether it rolled
+    back; then that update is skipped, as `discard_batch` asks (the restored scheduler must not step on a
+    thrown-away batch).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    original = type(epoch_loop).update_lr_schedulers
+
+    def deferred(interval: str, update_plateau_schedulers: bool) -> None:
+        # Back to the class's method, whatever happens next.
+        vars(epoch_loop).pop("update_lr_schedulers", None)
+        if interval == "step" and update_plateau_schedulers and decide():
+            unpatch(trainer)  # the skip `discard_batch` set up is this very update
+            log.info("no ReduceLROnPlateau step for the rolled-back batch")
+            return
+        original(epoch_loop, interval, update_plateau_schedulers)
+
+    epoch_loop.update_lr_schedulers = deferred
 
 
 def unpatch(trainer: pl.Trainer) -> None:
