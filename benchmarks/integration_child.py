@@ -188,8 +188,9 @@ def _widen_cnn(module: ModuleType, width: int) -> None:
             batch_size: int = 16,
             train_size: int = 256,
             seed: int = 0,
+            plain_loader: bool = False,
         ):
-            super().__init__(lr, warmup, dropout, batch_size, train_size, seed)
+            super().__init__(lr, warmup, dropout, batch_size, train_size, seed, plain_loader)
             c1, c2 = 8 * width, 16 * width
             self.features = nn.Sequential(
                 nn.Conv2d(1, c1, 3, padding=1),
