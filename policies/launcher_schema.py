@@ -1,4 +1,4 @@
-"""The `launcher:` section: what runs each segment (a local process group, or a SLURM batch job) and how."""
+"""The `launcher:` section: what runs each segment (a local process group, a SLURM batch job, a Kubernetes Job)."""
 
 from __future__ import annotations
 
@@ -89,16 +89,146 @@ class SlurmSpec(Spec):
         return self
 
 
+#: A Kubernetes object name (DNS-1123 label) and a quantity such as `500m`, `16Gi`.
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+class TolerationSpec(Spec):
+    """One pod toleration, as Kubernetes writes it (e.g. for a spot node pool's taint)."""
+
+    key: str | None = Field(None, min_length=1, description="The taint key; null with `Exists`: any taint.")
+    operator: Literal["Exists", "Equal"] = Field(
+        "Equal", description="`Equal` matches `value`; `Exists` any."
+    )
+    value: str | None = Field(None, description="The taint value, for `Equal`.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect; null: all effects."
+    )
+
+    @model_validator(mode="after")
+    def _key_for_equal(self) -> TolerationSpec:
+        if self.operator == "Equal" and self.key is None:  # Kubernetes: an empty key needs `Exists`
+            raise problem("key", "a taint key with operator Equal (or operator: Exists)", None)
+        return self
+
+
+class KubernetesSpec(Spec):
+    """Each segment a Kubernetes Job: one pod per node (an Indexed Job), torchrun in each for several."""
+
+    image: str | None = Field(
+        None, min_length=1, description="The container image with the training code (required)."
+    )
+    namespace: str = Field("default", description="The namespace the Job and its Service are created in.")
+    nodes: int = Field(
+        1, ge=1, description="Pods, one per node: an Indexed Job (completions = parallelism = nodes)."
+    )
+    nproc_per_node: int = Field(
+        1,
+        ge=1,
+        description="Processes per pod; above 1, or with several nodes, the command runs under torchrun.",
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=0, description="`nvidia.com/gpu` requested and limited per pod; null asks for none."
+    )
+    cpu: str | None = Field(None, description="CPU request per pod, e.g. `8` or `500m`; null: none.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. `32Gi`; null: none.")
+    service_account: str | None = Field(
+        None, min_length=1, description="The pods' service account; null: the namespace's default."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods must run on, e.g. a GPU node pool."
+    )
+    tolerations: list[TolerationSpec] = Field(
+        default_factory=list, description="Taints the pods tolerate, e.g. a spot pool's."
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Further environment variables of the training container."
+    )
+    working_dir: str | None = Field(
+        None, min_length=1, description="The container's working directory; null: the image's."
+    )
+    python: str = Field(
+        "python",
+        min_length=1,
+        description="The interpreter inside the image, which replaces the supervisor's own in the command.",
+    )
+    shared_volume_claim: str | None = Field(
+        None,
+        min_length=1,
+        description="A PersistentVolumeClaim (ReadWriteMany) mounted at `shared_mount_path` in every pod: "
+        "the supervisor's workdir (plan, heartbeat) and local checkpoints must be on it.",
+    )
+    shared_mount_path: str | None = Field(
+        None, min_length=1, description="Where the claim is mounted: the path the supervisor sees it at."
+    )
+    termination_grace_seconds: int = Field(
+        30,
+        ge=1,
+        description="The pods' terminationGracePeriodSeconds: SIGTERM to SIGKILL when a pod is evicted or "
+        "preempted; it must cover an emergency checkpoint.",
+    )
+    rendezvous_port: int = Field(
+        29500, ge=1, le=65535, description="torchrun's port on pod 0, for several nodes."
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        3600, ge=0, description="Seconds a finished Job (and its pods' logs) is kept; null: forever."
+    )
+    poll_seconds: float = Field(
+        2.0, gt=0, allow_inf_nan=False, description="How often the Job and its pods are read."
+    )
+    kubeconfig: str | None = Field(
+        None,
+        min_length=1,
+        description="A kubeconfig file; null: the in-cluster service account when the supervisor runs in a "
+        "pod, else ~/.kube/config.",
+    )
+    context: str | None = Field(
+        None, min_length=1, description="The kubeconfig context; null: its current one."
+    )
+
+    @field_validator("namespace", "service_account")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and (len(value) > 63 or not _K8S_NAME.match(value)):
+            raise problem("", "a Kubernetes name (lowercase letters, digits, '-'; at most 63)", value)
+        return value
+
+    @field_validator("cpu", "memory")
+    @classmethod
+    def _quantity(cls, value: str | None) -> str | None:
+        if value is not None and not _QUANTITY.match(value):
+            raise problem("", "a Kubernetes quantity, e.g. 8, 500m, 32Gi", value)
+        return value
+
+    @model_validator(mode="after")
+    def _mount_with_claim(self) -> KubernetesSpec:
+        if (self.shared_volume_claim is None) != (self.shared_mount_path is None):
+            raise problem(
+                "shared_mount_path", "set together with shared_volume_claim", self.shared_mount_path
+            )
+        return self
+
+
 class LauncherConfig(Spec):
     """What starts each training segment."""
 
-    type: Literal["local", "slurm"] = Field(
-        "local", description="`local`: a process group on this machine; `slurm`: a SLURM batch job."
+    type: Literal["local", "slurm", "kubernetes"] = Field(
+        "local",
+        description="`local`: a process group on this machine; `slurm`: a SLURM batch job; `kubernetes`: a "
+        "Kubernetes Job.",
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="The SLURM job, for type `slurm`.")
+    kubernetes: KubernetesSpec = Field(
+        default_factory=KubernetesSpec, description="The Kubernetes Job, for type `kubernetes`."
+    )
 
     @model_validator(mode="after")
     def _slurm_only_for_slurm(self) -> LauncherConfig:
         if self.type != "slurm" and "slurm" in self.model_fields_set:
             raise problem("type", "slurm (a `slurm:` section is given)", self.type)
+        if self.type != "kubernetes" and "kubernetes" in self.model_fields_set:
+            raise problem("type", "kubernetes (a `kubernetes:` section is given)", self.type)
+        if self.type == "kubernetes" and self.kubernetes.image is None:
+            raise problem("kubernetes.image", "the training container's image", None)
         return self

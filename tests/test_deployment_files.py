@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import shlex
 
 import pytest
@@ -99,3 +100,92 @@ def test_the_slurm_deployment_runs_each_segment_as_a_slurm_job(prefect_yaml: dic
     preset = load_policy(REPO / "policies" / "presets" / "palm-spike.yaml")
     assert policy.rules == preset.rules and policy.checkpoint == preset.checkpoint
     assert slurm["work_pool"]["work_queue_name"] == "slurm"
+
+
+def _load_as_prefect_deploy() -> list[dict]:
+    """The deployments as `prefect deploy` reads prefect.yaml: its own loader and model (a file it cannot
+    validate is skipped with a console message, so the message must be empty), then its default merge."""
+    import io
+
+    from prefect.cli.deploy._config import _load_deploy_configs_and_actions, _merge_with_default_deploy_config
+    from rich.console import Console
+
+    out = io.StringIO()
+    configs, actions = _load_deploy_configs_and_actions(
+        DEPLOYMENTS / "prefect.yaml", console=Console(file=out)
+    )
+    assert out.getvalue() == "", out.getvalue()
+    assert actions["pull"], "the top-level pull step is lost"
+    return [_merge_with_default_deploy_config(c) for c in configs]
+
+
+def test_the_kubernetes_deployment_loads_as_prefect_deploy_and_fits_the_kubernetes_work_pool():
+    from prefect.utilities.schema_tools import ValidationError, validate
+
+    from policies import load_policy
+
+    (k8s,) = [d for d in _load_as_prefect_deploy() if d["name"] == "charlm-k8s-spot"]
+    pool = k8s["work_pool"]
+    job_variables = pool["job_variables"]
+    assert pool["name"] == "training-k8s" and job_variables["backoff_limit"] == 0
+    assert job_variables["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+    assert job_variables["image"] and job_variables["namespace"]
+    # The job variables against the kubernetes work pool's template, as Prefect's server checks a deployment.
+    template = json.loads((REPO / "examples" / "kubernetes" / "base-job-template.json").read_text())
+    schema = template["variables"]
+    assert set(job_variables) <= set(schema["properties"]), set(job_variables) - set(schema["properties"])
+
+    def check(values: dict) -> None:
+        validate(
+            values,
+            schema,
+            raise_on_error=True,
+            preprocess=True,
+            ignore_required=True,
+            allow_none_with_default=True,
+        )
+
+    check(job_variables)
+    with pytest.raises(ValidationError):  # the check does refuse what the pool refuses
+        check({**job_variables, "backoff_limit": -1})
+    # The workdir is on the claim the pool's template mounts; checkpoints in S3; the policy runs a Job per segment.
+    pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    policy = load_policy(REPO / k8s["parameters"]["policy"])
+    spec = policy.launcher.kubernetes
+    assert policy.launcher.type == "kubernetes" and policy.checkpoint.storage.startswith("s3://")
+    assert (
+        k8s["parameters"]["workdir"].startswith(mount["mountPath"] + "/")
+        and mount["mountPath"] == spec.shared_mount_path
+    )
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == spec.shared_volume_claim
+    assert k8s["parameters"]["stop_grace_seconds"] < spec.termination_grace_seconds
+    assert k8s["pull"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": spec.working_dir}}
+    ]
+
+
+def test_the_kubernetes_pool_template_is_prefect_kubernetes_default_plus_the_shared_claim():
+    worker = pytest.importorskip("prefect_kubernetes.worker", reason="pip install '.[kubernetes]'")
+    default = worker.KubernetesWorker.get_default_base_job_template()
+    ours = json.loads((REPO / "examples" / "kubernetes" / "base-job-template.json").read_text())
+    pod = ours["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    del pod["volumes"], pod["containers"][0]["volumeMounts"]
+    assert ours == default  # regenerate the file from the installed prefect-kubernetes if this fails
+
+
+def test_the_supervisor_rbac_grants_exactly_the_launchers_calls():
+    pytest.importorskip("kubernetes", reason="pip install '.[kubernetes]'")
+    from kubernetes.client import ApiClient
+
+    docs = list(yaml.safe_load_all((REPO / "examples" / "kubernetes" / "rbac.yaml").read_text()))
+    api = ApiClient()
+    for doc in docs:  # each a valid object of its OpenAPI type
+        parsed = api.deserialize(json.dumps(doc), "V1" + doc["kind"], "application/json")
+        assert api.sanitize_for_serialization(parsed) == doc
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    grants = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
+    assert grants == {
+        ("jobs", "create"), ("jobs", "get"), ("jobs", "delete"), ("services", "create"), ("services", "delete"),
+        ("pods", "get"), ("pods", "list"), ("pods/log", "get"),
+    }  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any
 
 from policies.launcher_schema import LauncherConfig, SlurmSpec
 from supervisor.errors import SupervisorError, UserError
-from supervisor.launcher.base import ExitInfo, LaunchSpec, OnLine
+from supervisor.launcher.base import ExitInfo, Launcher, LaunchSpec, OnLine
 from supervisor.launcher.local import environment
 from supervisor.launcher.slurm_output import OutputFollower, size_of
 from supervisor.launcher.slurm_script import SlurmOptions, batch_script, segment_file
@@ -348,8 +348,12 @@ def slurm_options(spec: SlurmSpec, workdir: Path) -> SlurmOptions:
     )
 
 
-def launcher_from_policy(config: LauncherConfig, workdir: Path) -> SlurmLauncher | None:
+def launcher_from_policy(config: LauncherConfig, workdir: Path) -> Launcher | None:
     """The launcher the policy's `launcher:` section asks for; None for the local default."""
     if config.type == "slurm":
         return SlurmLauncher(slurm_options(config.slurm, workdir))
+    if config.type == "kubernetes":  # imported here: the kubernetes client is an optional extra
+        from supervisor.launcher.kubernetes import kubernetes_launcher
+
+        return kubernetes_launcher(config.kubernetes)
     return None
