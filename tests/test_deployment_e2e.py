@@ -105,7 +105,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         server.start()
         server.cli("work-pool", "create", POOL, "--type", "process")
         server.cli(
-            "--no-prompt", "deploy", "--prefect-file", str(PREFECT_YAML), "--all",
+            # By name: --all would also need the kubernetes pool of charlm-k8s-spot (prefect refuses a
+            # deployment whose pool does not exist).
+            "--no-prompt", "deploy", "--prefect-file", str(PREFECT_YAML),
+            "--name", "charlm-palm-spike", "--name", "charlm-slurm",
             cwd=REPO, ROLLBACK_SUPERVISOR_REPO=str(REPO),
         )  # fmt: skip
         worker.start()
