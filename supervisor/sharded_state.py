@@ -9,14 +9,27 @@ go in the JSON skeleton; a `DTensor` is one tensor leaf, sharded as it lives.
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
-from supervisor.flatten import flatten
+from supervisor.errors import CheckpointError
+from supervisor.flatten import flatten, unflatten
+from supervisor.rng import restore_rng
+from supervisor.state import TrainingState
 
 #: Sharded state dicts (no gather, no CPU offload): each rank sees only its own shards.
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -60,6 +73,12 @@ class ShardedTrainingState:
         """(JSON skeleton, {name: Tensor | DTensor}); the tensors alias live memory."""
         return flatten_sharded(self.state_dicts())
 
+    def checked(self) -> Callable[[str], bool]:
+        """Which tensors the health mark covers: all but the model's buffers (an infinity there may be on
+        purpose, as in `TrainingState.checked`)."""
+        buffers = {f"model.{b}" for b in buffer_names(self.model)}
+        return lambda name: name not in buffers
+
     def load(self, nested: dict[str, Any]) -> None:
         """Load what a restore rebuilt (tensors already filled in place) back into model and optimizers."""
         set_state_dict(
@@ -78,3 +97,94 @@ class ShardedTrainingState:
         """Put back what rank_state() gave (at the same world size)."""
         raw = base64.b64decode(saved["torch_rng"], validate=True)
         torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def buffer_names(model: torch.nn.Module) -> set[str]:
+    """The model's buffer FQNs as `get_model_state_dict` names them (DDP's "module." prefix dropped too)."""
+    names = {b for b, _ in model.named_buffers(remove_duplicate=False)}
+    return names | {n.removeprefix("module.") for n in names}
+
+
+def is_sharded_module(obj: Any) -> bool:
+    """True for a module with DTensor parameters (FSDP2's `fully_shard`, tensor parallelism)."""
+    return isinstance(obj, torch.nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
+
+
+def pack_json(nested: Any) -> dict[str, Any]:
+    """A nested state with tensors as JSON: the skeleton plus the tensors as base64 safetensors (no pickle)."""
+    skeleton, tensors = flatten(nested)
+    body = st_save({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()})
+    return {"skeleton": skeleton, "tensors": base64.b64encode(body).decode("ascii")}
+
+
+def unpack_json(packed: Any) -> Any:
+    """The inverse of pack_json."""
+    return unflatten(packed["skeleton"], st_load(base64.b64decode(packed["tensors"], validate=True)))
+
+
+class SessionShardedState:
+    """A Session's registered parts around one sharded model, for `ShardedCheckpoints`.
+
+    The model (`model_name`) and every registered optimizer go through `get_*_state_dict` / `set_*_state_dict`
+    (sharded, each rank its own shards); the other parts (schedulers), the counters and the extras are the
+    same on every rank and go in the global state; every RNG stream and the `rank_parts` (the data loader)
+    differ per rank and go in `ranks.<r>.json`.
+    """
+
+    def __init__(self, state: TrainingState, model_name: str, rank_parts: Sequence[str]):
+        self.state, self.model_name, self.rank_parts = state, model_name, rank_parts
+        self.model: torch.nn.Module = state[model_name]
+
+    def _optimizers(self) -> list[str]:
+        return [n for n in self.state.names if isinstance(self.state[n], torch.optim.Optimizer)]
+
+    def state_dicts(self) -> dict[str, Any]:
+        """The global nested state; the model's and optimizers' tensors are DTensors aliasing live memory."""
+        nested: dict[str, Any] = {}
+        optimizers = self._optimizers()
+        for name in self.state.names:
+            part = self.state[name]
+            if name == self.model_name:
+                nested[name] = get_model_state_dict(self.model, options=_OPTIONS)
+            elif name in optimizers:
+                nested[name] = get_optimizer_state_dict(self.model, part, options=_OPTIONS)
+            elif name not in self.rank_parts:
+                nested[name] = part.state_dict()
+        nested["counters"] = self.state.counters()
+        nested["extras"] = dict(self.state.extras)
+        return nested
+
+    def snapshot(self) -> tuple[Any, dict[str, torch.Tensor | DTensor]]:
+        return flatten_sharded(self.state_dicts())
+
+    def checked(self) -> Callable[[str], bool]:
+        """Which tensors the health mark covers: all but module buffers (as `TrainingState.checked`)."""
+        return self.state.checked()
+
+    def load(self, nested: dict[str, Any]) -> None:
+        """Load what a restore rebuilt into every part, the counters and the extras."""
+        optimizers = self._optimizers()
+        for name in self.state.names:
+            if name in self.rank_parts:
+                continue
+            if name not in nested:
+                raise CheckpointError(f"sharded checkpoint has no state for registered part {name!r}")
+            if name == self.model_name:
+                set_model_state_dict(self.model, nested[name], options=_OPTIONS)
+            elif name in optimizers:
+                set_optimizer_state_dict(self.model, self.state[name], nested[name], options=_OPTIONS)
+            else:
+                self.state[name].load_state_dict(nested[name])
+        for key, value in nested.get("counters", {}).items():
+            setattr(self.state, key, int(value))
+        self.state.extras = dict(nested.get("extras", {}))
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's RNG streams and its own parts (the data position), as JSON."""
+        return pack_json(self.state.rank_state_dict(self.rank_parts))
+
+    def load_rank_state(self, saved: Any) -> None:
+        own = unpack_json(saved)
+        restore_rng(own["rng"])
+        for name in self.rank_parts:
+            self.state[name].load_state_dict(own[name])

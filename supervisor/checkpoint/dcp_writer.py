@@ -80,6 +80,8 @@ class CommitJob:
     prepare: Callable[[], list[str]] = list
     """Runs before anything is staged (retention); returns the ids whose blobs this save may reuse."""
     before_commit: Callable[[], Any] | None = None
+    checked: Callable[[str], bool] | None = None
+    """Which tensors the health mark covers (None: all); module buffers are exempt, as in the v1 path."""
     gate: Callable[[str], str | None] | None = None
     """Asked before anything is staged and again just before the commit: a reason refuses the save."""
     staged: str | None = None
@@ -231,7 +233,8 @@ class ShardWriter(StorageWriter):
         }
         for share in shares:
             files.update((f.path, f) for f in share.files)
-        nonfinite = sorted({n for s in shares for n in s.nonfinite} | set(meta.nonfinite))
+        flagged = {n for s in shares for n in s.nonfinite if job.checked is None or job.checked(n)}
+        nonfinite = sorted(flagged | set(meta.nonfinite))
         manifest = Manifest(
             id=cid,
             seq=meta.seq,

@@ -91,6 +91,7 @@ class RemoteTier:
             for rel in [
                 f"{ckpt}/{STATE}",
                 f"{ckpt}/{MANIFEST}",
+                *sorted(manifest.rank_files.values()),  # a sharded save's per-rank RNG and data position
                 f"{ckpt}/{MARKER}",
                 *sorted(manifest.blobs()),
             ]:

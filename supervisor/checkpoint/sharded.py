@@ -156,13 +156,26 @@ class ShardedCheckpoints:
                 raise _lost(f"opening {self.root}", exc) from exc
         self.catalog = self.store.catalog if self.store else Catalog(fsspec.filesystem("file"), self.root)
 
-    def save(self, step: int, state: ShardedState, metrics: Mapping[str, float] | None = None) -> str | None:
+    def save(
+        self,
+        step: int,
+        state: ShardedState,
+        metrics: Mapping[str, float] | None = None,
+        *,
+        before_commit: Callable[[], Any] | None = None,
+    ) -> str | None:
         """Write and commit checkpoint `step` from every rank; returns its id, or None when rank 0's `gate`
         refused it (on every rank alike). CheckpointError on any failure, on every rank together (nothing
-        committed); RankLost when a peer is gone."""
+        committed); RankLost when a peer is gone. `before_commit` runs on rank 0 once every rank's files are
+        durable, before the marker (a raise there commits nothing). A state with `checked()` names the
+        tensors whose non-finite values mark the checkpoint unhealthy (module buffers are left out)."""
         t0 = time.monotonic()
         skeleton, flat = state.snapshot()
         job = self._job(step, skeleton, metrics) if self.rank == 0 else None
+        if job is not None:
+            job.before_commit = before_commit
+            checked = getattr(state, "checked", None)
+            job.checked = checked() if callable(checked) else None
         try:
             cid = write_sharded(
                 self.root,

@@ -18,7 +18,9 @@ told, so a framework that owns its checkpoint moment keeps it.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,7 @@ from supervisor.runtime.cadence import Cadence, failures_in
 from supervisor.runtime.decider import StepDecider
 from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.outcome import SegmentOutcome
-from supervisor.runtime.plan import LaunchPlan
+from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 from supervisor.runtime.registry import Registered
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.resources import SegmentResources
@@ -43,12 +45,23 @@ from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
 from supervisor.runtime.seams import CheckpointReader, Collective, Outputs
+from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
+
+
+def _is_sharded(obj: Any) -> bool:
+    """A module with DTensor parameters (FSDP2's `fully_shard`, tensor parallelism). Without
+    torch.distributed.tensor imported no parameter can be one, and the sharded path is not imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from supervisor.sharded_state import is_sharded_module
+
+    return is_sharded_module(obj)
 
 
 class TrainingCore:
@@ -63,6 +76,10 @@ class TrainingCore:
     would need to agree on the target and read its own state back, so rank 0 reports the anomaly, every rank
     stops (exit 76), and the supervisor relaunches all ranks with the plan. `in_process_rollback=False` does
     the same in one process, for a driver whose loop cannot restart its data iterator (a framework's).
+
+    With a sharded model registered (DTensor parameters: FSDP2), every rank saves and restores its own shards
+    (`ShardedStore`; synchronous) and nothing is gathered; an anomaly is then rolled back in process on every
+    rank: rank 0 decides and names the target, every rank restores its own shards of it from disk.
     """
 
     def __init__(
@@ -109,6 +126,7 @@ class TrainingCore:
         outputs = self.resources.outputs
         self.failures = SaveFailures(reporter, outputs)
         self.rollback = InProcessRollback(policy, history, self.failures, reporter)
+        self.resources.checkpoints.dist = dist  # a sharded store restores and rolls back with every rank
         self._saver = Saver(state, self.registered, outputs, self.failures, dist)
         self._restorer = PlanRestore(self.registered, outputs, plan.checkpoint_dir, dist)
         # The fault drill listens to steps (and optimizer steps); it decides nothing.
@@ -164,6 +182,12 @@ class TrainingCore:
         after the optimizer's pre-step hooks, so the drill's gradient faults wait for `gradients_ready()`.
         """
         drill_before = None if grads_in_closure else self.gradients_ready
+        if _is_sharded(obj):
+            # Every rank saves and restores its own shards; nothing is gathered, the per-rank state included
+            # (it goes into each rank's ranks.<r>.json), so the saver gets no collective.
+            self.resources.checkpoints.use_sharded(ShardedModel(name, self.registered.rank_parts))
+            self._saver = Saver(self.state, self.registered, self.outputs, self.failures, None)
+            log.info("%r has DTensor parameters: sharded checkpoints, every rank writes its own shards", name)
         self.registered.add(
             self.state,
             name,
@@ -183,9 +207,32 @@ class TrainingCore:
         self.outputs.heartbeat.beat(self.state.step, "checkpoint")  # restoring is slow, not stuck
         spec = self.plan.restore
         checkpoints = self.resources.checkpoints
-        info = self._restorer.restore(checkpoints.writer, checkpoints.need(), spec)
+        if isinstance(checkpoints.reader, ShardedStore):
+            info = self._restore_sharded(checkpoints.reader, spec)
+        else:
+            info = self._restorer.restore(checkpoints.writer, checkpoints.need(), spec)
         self.outputs.metrics.start()
         self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
+        return info
+
+    def _restore_sharded(self, store: ShardedStore, spec: RestoreSpec) -> CheckpointInfo | None:
+        """Rank 0 decides what the plan restores and names it; then every rank loads its own shards of it."""
+        target, error = None, None
+        if store.commits:
+            try:
+                target = sharded_target(store, spec, self.plan.checkpoint_dir)
+            except Exception as exc:
+                error = exc
+        chosen = store.dist.broadcast_outcome(target, error) if store.dist is not None else target
+        if error is not None:
+            raise error
+        if chosen is None:
+            return None
+        t0 = time.monotonic()
+        info = store.restore(chosen)
+        log.info("restored sharded %s (step %d) in %.3fs", info.id, info.step, time.monotonic() - t0)
+        if spec.rollback:
+            store.abandon_after(info)
         return info
 
     def _after_restore(self, skip: int, lr_scale: float, info: CheckpointInfo | None, why: str) -> None:
@@ -241,6 +288,9 @@ class TrainingCore:
     def _agree(self, events: list[Event], step: int, *, due: bool, writing: bool) -> Action:
         """One all_reduce per step: an anomaly or a stop anywhere stops every rank; a save is taken together."""
         agreed = self.decider.agree(events, self.outcome.pending, due=due, writing=writing)
+        store = self.resources.store
+        if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
+            return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)
         if agreed.anomaly:
             for event in events:  # all of them, so the supervisor's monitor finds each one reported
                 log.warning(
@@ -253,6 +303,50 @@ class TrainingCore:
         if agreed.save:
             return SaveDue(step)
         return self.stopping() or CONTINUE
+
+    def _sharded_rollback(
+        self, store: ShardedStore, events: list[Event], step: int, *, stop_pending: bool
+    ) -> Action:
+        """Every rank rolls back in process: rank 0 decides (the policy, as alone) and names the target just
+        before its restore; every rank restores its own shards of it, then applies rank 0's skip and LR scale.
+        With no target here, every rank stops for the supervisor, as under DDP."""
+        dist = store.dist
+        assert dist is not None  # only under torchrun: alone, `_anomaly` rolls back as always
+        if store.commits:
+            announced: list[str] = []
+
+            def announce(target: str) -> None:
+                if not announced:
+                    dist.broadcast_outcome(target)
+                    announced.append(target)
+
+            store.announce = announce
+            try:
+                rolled = self.rollback.handle(store, events[0], step)
+            except Exception as exc:
+                if not announced:  # the other ranks wait for a target: they fail with this error
+                    dist.broadcast_outcome(None, exc)
+                raise
+            finally:
+                store.announce = None
+            if not announced:
+                dist.broadcast_outcome(None)
+            if rolled is None:
+                return self.outcome.stop_for_anomaly(f"anomaly: {events[0].reason}")
+            info, decision = rolled.info, rolled.decision
+            dist.broadcast_outcome(json.dumps([decision.skip_batches, decision.lr_scale]))
+            skip, lr_scale = decision.skip_batches, decision.lr_scale
+        else:
+            target = dist.broadcast_outcome(None)
+            if target is None:
+                return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
+            info = store.restore(target)
+            skip, lr_scale = json.loads(dist.broadcast_outcome(None) or "[0, 1.0]")
+            self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
+        if self.decider.agreement is not None and not stop_pending:
+            self.decider.agreement.stopped = False  # rolled back, not stopping: stops are agreed again
+        self._after_restore(int(skip), float(lr_scale), info, "in-process rollback")
+        return Rollback(info.id, self.state.step, int(skip), float(lr_scale))
 
     def save_may_be_due(self, step: int, *, final: bool = False) -> bool:
         """Whether `step_ended(step)` may answer SaveDue (the last step, a pending stop, or the cadence), asked

@@ -138,7 +138,10 @@ class Session:
     # -- the user's verbs ------------------------------------------------------------------------
 
     def register(self, **stateful: Any) -> None:
-        """Register named objects with `state_dict()`/`load_state_dict()` (model, optimizer, scheduler, data)."""
+        """Register named objects with `state_dict()`/`load_state_dict()` (model, optimizer, scheduler, data).
+
+        A model with DTensor parameters (FSDP2's `fully_shard`) makes every rank checkpoint its own shards.
+        """
         for name, obj in stateful.items():
             self._core.register(name, obj)
 
