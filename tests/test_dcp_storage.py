@@ -11,7 +11,7 @@ import torch
 
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions, open_store
 from supervisor.checkpoint.blobs import BlobReader
-from supervisor.checkpoint.dcp_reader import restore_chunks
+from supervisor.checkpoint.dcp_reader import ShardReader, restore_chunks
 from supervisor.checkpoint.dcp_writer import CommitJob
 from supervisor.checkpoint.local import TMP, LocalStore, write_file
 from supervisor.checkpoint.manifest import CKPT_PREFIX, MANIFEST, MARKER, Manifest, marker_bytes
@@ -243,3 +243,15 @@ def test_retention_runs_before_each_save_is_planned_and_leaves_no_unreferenced_b
         assert set(ckpts.catalog.blob_files()) == ckpts.catalog.referenced_blobs()
         assert all(ckpts.catalog.verify(i, "full") is None for i in ids[1:])
         assert ckpts.restore(state) == ids[-1]
+
+
+def test_a_misspelt_verify_mode_is_refused_by_checkpoints_and_reader(tmp_path):
+    root = tmp_path / "store"
+    t = Tiny()
+    t.step()
+    manifest = _save_sharded(root, t, 1)
+    expected = "verify: expected one of full, fast, none, got 'ful'"
+    with pytest.raises(CheckpointError, match=expected):
+        ShardedCheckpoints(root, verify="ful")
+    with pytest.raises(CheckpointError, match=expected):
+        ShardReader(open_store(root), manifest, "ful")

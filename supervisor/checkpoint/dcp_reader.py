@@ -28,6 +28,7 @@ from supervisor.checkpoint.boundedjson import loads_bounded
 from supervisor.checkpoint.catalog import Catalog, header_disagreement
 from supervisor.checkpoint.dcp_format import sharded_problem, sharded_view, to_metadata
 from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE, Manifest
+from supervisor.checkpoint.options import VERIFY_MODES
 from supervisor.checkpoint.paths import LeavesStore
 from supervisor.errors import CheckpointCorrupt, CheckpointError
 
@@ -40,6 +41,7 @@ class ShardReader(StorageReader):
 
     def __init__(self, catalog: Catalog, manifest: Manifest, verify: str = "full"):
         super().__init__()
+        check_verify(verify)
         if reason := sharded_problem(manifest):
             raise CheckpointCorrupt(manifest.id, reason)
         self.catalog, self.manifest, self.verify = catalog, manifest, verify
@@ -148,6 +150,12 @@ class ShardReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
+
+
+def check_verify(verify: object) -> None:
+    """CheckpointError unless `verify` is one of the store's modes (a typo would silently skip checksums)."""
+    if verify not in VERIFY_MODES:
+        raise CheckpointError(f"verify: expected one of {', '.join(VERIFY_MODES)}, got {verify!r}")
 
 
 def read_skeleton(catalog: Catalog, manifest: Manifest, rel: str | None = None) -> Any:

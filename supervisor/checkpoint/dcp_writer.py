@@ -111,13 +111,15 @@ class ShardWriter(StorageWriter):
         self,
         root: str,
         rank_raw: bytes,
-        job: CommitJob | None = None,
+        job: CommitJob | Callable[[], CommitJob] | None = None,
         phase_hook: Callable[[str, int], None] | None = None,
     ):
         super().__init__()
         self.root = root
         self.rank_raw = rank_raw
-        self.job = job
+        # A function is called in prepare_global_plan: DCP sends a raise there to every rank at once.
+        self.job = job if isinstance(job, CommitJob) else None
+        self._make_job = None if isinstance(job, CommitJob) else job
         self.rank = 0
         self.is_coordinator = False
         self.saved_id: str | None = None
@@ -133,7 +135,7 @@ class ShardWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0))
-        if is_coordinator and self.job is None:
+        if is_coordinator and self.job is None and self._make_job is None:
             raise CheckpointError(
                 "the coordinating rank of a sharded save needs a CommitJob (rank 0 commits)"
             )
@@ -148,9 +150,11 @@ class ShardWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._phase("plan")
+        if self.job is None and self._make_job is not None:
+            self.job = self._make_job()
         job = self.job
         assert job is not None
-        self._phase("plan")
         job.check_gate()
         reuse = job.prepare()
         job.staged = job.store.stage(job.meta.id)

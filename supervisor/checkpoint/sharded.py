@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from supervisor.checkpoint.catalog import Catalog
-from supervisor.checkpoint.dcp_reader import load_tensors, read_skeleton, unwrap
+from supervisor.checkpoint.dcp_reader import check_verify, load_tensors, read_skeleton, unwrap
 from supervisor.checkpoint.dcp_writer import CommitJob, SaveRefused, ShardWriter, discard, rank_file
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import Manifest, library_versions
@@ -78,6 +78,24 @@ class ShardedState(Protocol):
     def load_rank_state(self, saved: Any) -> None: ...
 
 
+def _as_data(exc: BaseException) -> tuple[str, ...]:
+    """Rank 0's failure as plain data (only that crosses the wire), for `_from_data` on every rank."""
+    if isinstance(exc, CheckpointCorrupt):
+        return ("corrupt", exc.checkpoint_id, exc.reason)
+    if isinstance(exc, CheckpointNotFound):
+        return ("not_found", str(exc))
+    if isinstance(exc, CheckpointError):
+        return ("error", str(exc))
+    return ("error", f"rank 0: {type(exc).__name__}: {exc}")
+
+
+def _from_data(data: tuple[str, ...]) -> CheckpointError:
+    """The same typed error on every rank from `_as_data`'s tuple."""
+    if data[0] == "corrupt":
+        return CheckpointCorrupt(data[1], data[2])
+    return (CheckpointNotFound if data[0] == "not_found" else CheckpointError)(data[1])
+
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
@@ -86,15 +104,16 @@ def write_sharded(
     root: str,
     flat: Mapping[str, Any],
     rank_raw: bytes,
-    job: CommitJob | None,
+    job: CommitJob | Callable[[], CommitJob] | None,
     *,
     process_group: Any = None,
     no_dist: bool = False,
     phase_hook: Callable[[str, int], None] | None = None,
 ) -> str:
     """One sharded save of `flat` ({name: Tensor | DTensor}) through DCP into the store at `root`, from every
-    rank (rank 0 passes the `job` and commits); returns the checkpoint id. A failure on any rank raises
-    CheckpointError on every rank, a lost peer RankLost; either way rank 0 removes what was staged."""
+    rank (rank 0 passes the `job`, or a function DCP's planning step calls to build it, and commits); returns
+    the checkpoint id. A failure on any rank raises CheckpointError on every rank, a lost peer RankLost;
+    either way rank 0 removes what was staged."""
     writer = ShardWriter(root, rank_raw, job, phase_hook)
     try:
         with warnings.catch_warnings():
@@ -107,14 +126,17 @@ def write_sharded(
                 no_dist=no_dist,
             )
     except CheckpointException as exc:
-        raise unwrap(exc, job.meta.id if job else writer.saved_id or "(being planned)") from None
+        raise unwrap(
+            exc, writer.job.meta.id if writer.job else writer.saved_id or "(being planned)"
+        ) from None
     except RuntimeError as exc:  # a collective failed (gloo's error, or DistError): not the save's own fault
         if no_dist or isinstance(exc, CheckpointError):
             raise
-        raise _lost(f"save {job.meta.id if job else writer.saved_id or '(being planned)'}", exc) from exc
+        cid = writer.job.meta.id if writer.job else writer.saved_id or "(being planned)"
+        raise _lost(f"save {cid}", exc) from exc
     finally:
-        if job is not None:
-            discard(job)
+        if writer.job is not None:
+            discard(writer.job)
     assert writer.saved_id is not None
     return writer.saved_id
 
@@ -139,6 +161,7 @@ class ShardedCheckpoints:
         phase_hook: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.time,
     ):
+        check_verify(verify)  # before any collective: every rank passes the same value, so all raise alike
         self.root = os.path.abspath(os.fspath(directory))
         self.distributed = dist.is_available() and dist.is_initialized()
         if process_group is None and self.distributed:
@@ -148,12 +171,23 @@ class ShardedCheckpoints:
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.retention, self.verify, self._hook, self._clock = retention, verify, phase_hook, clock
         self.gate = gate
-        self.store = LocalStore(self.root) if self.rank == 0 else None
-        if self.distributed:
+        self.store = None
+        failure: tuple[str, ...] | None = None
+        cause: BaseException | None = None
+        if self.rank == 0:
             try:
-                dist.barrier(group=process_group)  # the store directory exists before any other rank reads it
+                self.store = LocalStore(self.root)
+            except Exception as exc:  # sent to every rank, which would otherwise wait for the timeout
+                failure, cause = _as_data(exc), exc
+        if self.distributed:
+            sent: list[Any] = [failure]
+            try:  # also the barrier: the store directory exists before any other rank reads it
+                dist.broadcast_object_list(sent, group=process_group, group_src=0)
             except RuntimeError as exc:
                 raise _lost(f"opening {self.root}", exc) from exc
+            failure = sent[0]
+        if failure is not None:
+            raise _from_data(failure) from cause
         self.catalog = self.store.catalog if self.store else Catalog(fsspec.filesystem("file"), self.root)
 
     def save(
@@ -171,11 +205,16 @@ class ShardedCheckpoints:
         tensors whose non-finite values mark the checkpoint unhealthy (module buffers are left out)."""
         t0 = time.monotonic()
         skeleton, flat = state.snapshot()
-        job = self._job(step, skeleton, metrics) if self.rank == 0 else None
-        if job is not None:
-            job.before_commit = before_commit
-            checked = getattr(state, "checked", None)
-            job.checked = checked() if callable(checked) else None
+        job = None
+        if self.rank == 0:
+
+            def job() -> CommitJob:  # built by DCP's planning step, so a failure reaches every rank at once
+                made = self._job(step, skeleton, metrics)
+                made.before_commit = before_commit
+                checked = getattr(state, "checked", None)
+                made.checked = checked() if callable(checked) else None
+                return made
+
         try:
             cid = write_sharded(
                 self.root,
@@ -231,15 +270,16 @@ class ShardedCheckpoints:
         while True:
             manifest = self._agree_on(which, skipped)
             try:
-                self._load(manifest, state)
+                skeleton, saved = self._read_json(manifest)
+                self._load(manifest, state, skeleton)
                 break
-            except CheckpointCorrupt as exc:  # raised on every rank alike (DCP gathers each rank's result)
+            except CheckpointCorrupt as exc:  # raised on every rank alike (DCP, or _read_json, gathers)
                 if which != "latest":
                     raise
                 log.warning("Skipping checkpoint %s (%s)", manifest.id, exc.reason)
                 skipped.append(manifest.id)
-        if manifest.world_size == self.world_size and str(self.rank) in manifest.rank_files:
-            state.load_rank_state(read_skeleton(self.catalog, manifest, rank_file(manifest.id, self.rank)))
+        if saved is not None:
+            state.load_rank_state(saved)
         elif manifest.world_size != self.world_size and self.rank == 0:
             log.warning(
                 "Checkpoint %s was saved by %d ranks and is restored on %d: tensors are resharded, each rank "
@@ -250,8 +290,35 @@ class ShardedCheckpoints:
             )
         return manifest.id
 
-    def _load(self, manifest: Manifest, state: ShardedState) -> None:
-        skeleton = read_skeleton(self.catalog, manifest)
+    def _read_json(self, manifest: Manifest) -> tuple[Any, Any]:
+        """(state.json, this rank's own rank state or None), read and checked on every rank before anything
+        is loaded; a bad file on any rank is CheckpointCorrupt on every rank together (so all fall back)."""
+        skeleton = saved = None
+        problem: tuple[str, str] | None = None
+        try:
+            skeleton = read_skeleton(self.catalog, manifest)
+            if manifest.world_size == self.world_size and str(self.rank) in manifest.rank_files:
+                saved = read_skeleton(self.catalog, manifest, rank_file(manifest.id, self.rank))
+        except CheckpointCorrupt as exc:
+            problem = ("corrupt", exc.reason)
+        except Exception as exc:  # anything else still reaches every rank, not this one alone
+            problem = ("error", f"{type(exc).__name__}: {exc}")
+        problems: list[Any] = [problem]
+        if self.distributed:
+            problems = [None] * self.world_size
+            try:
+                dist.all_gather_object(problems, problem, group=self.group)
+            except RuntimeError as exc:
+                raise _lost(f"checking the state files of {manifest.id}", exc) from exc
+        for r, found in enumerate(problems):
+            if found is not None:
+                kind, reason = found
+                if kind == "corrupt":
+                    raise CheckpointCorrupt(manifest.id, f"rank {r}: {reason}")
+                raise CheckpointError(f"checkpoint {manifest.id}: rank {r}: {reason}")
+        return skeleton, saved
+
+    def _load(self, manifest: Manifest, state: ShardedState, skeleton: Any) -> None:
         _, targets = state.snapshot()
         try:
             load_tensors(
@@ -285,19 +352,19 @@ class ShardedCheckpoints:
     def _agree_on(self, which: str, skipped: list[str]) -> Manifest:
         """The manifest rank 0 picked, on every rank (an error on rank 0 is raised on every rank)."""
         found: list[Any] = [None]
+        cause: BaseException | None = None
         if self.rank == 0:
             try:
                 found = [self.catalog.manifest(self._choose(which, skipped)).to_bytes()]
-            except CheckpointError as exc:  # sent as text: only plain data crosses the wire
-                found = [(isinstance(exc, CheckpointNotFound), str(exc))]
+            except Exception as exc:  # sent as plain data (kind, ...): every rank raises the same type
+                found, cause = [_as_data(exc)], exc
         if self.distributed:
             try:
                 dist.broadcast_object_list(found, group=self.group, group_src=0)
             except RuntimeError as exc:
                 raise _lost("choosing the checkpoint to restore", exc) from exc
         if isinstance(found[0], tuple):
-            not_found, message = found[0]
-            raise (CheckpointNotFound if not_found else CheckpointError)(message)
+            raise _from_data(found[0]) from cause
         return Manifest.from_bytes(found[0])
 
     def close(self) -> None:
