@@ -149,17 +149,11 @@ def test_a_job_at_its_time_limit_resumes_from_its_emergency_checkpoint(
     assert first["event"]["evidence"]["kind"] == "time_limit"
     assert first["returncode"] == 75 and first["signal_sent"] is None  # SLURM's warning, not our stop
     assert first["decision"]["action"] == "resume"
-    from supervisor.checkpoint import open_store
-
-    store = open_store(rec["storage"]["checkpoints"])
-    restored = store.info(second["restore"]["checkpoint_id"]) if second["restore"]["checkpoint_id"] else None
-    newest = max((i for i in store.list() if i.step <= first["last_step"]), key=lambda i: i.seq)
+    # The decision and the record, not the store: by the time the second job ends, retention may have
+    # deleted the first job's checkpoints (on an idle machine it runs hundreds of steps further).
+    assert first["decision"]["target_step"] == first["last_step"]  # the emergency save, not a periodic one
+    assert second["restore"]["checkpoint_id"] == first["decision"]["target_id"]
     assert second["start_step"] == first["last_step"]
-    assert newest.step == first["last_step"], (
-        newest,
-        first["last_step"],
-    )  # the emergency save, not a periodic one
-    assert restored is None or restored.step == first["last_step"]
     assert result["status"] == "failed" and "gave up after 2 segments" in result["reason"]
 
 
