@@ -278,9 +278,14 @@ class ShardedCheckpoints:
                     raise
                 log.warning("Skipping checkpoint %s (%s)", manifest.id, exc.reason)
                 skipped.append(manifest.id)
-        if saved is not None:
-            state.load_rank_state(saved)
-        elif manifest.world_size != self.world_size and self.rank == 0:
+        if manifest.world_size == self.world_size:
+            if saved is not None:
+                state.load_rank_state(saved)
+            return manifest.id
+        reshard = getattr(state, "load_rank_states_resharded", None)
+        if callable(reshard):  # every saving rank's own state, re-split for this world size (pure per rank)
+            reshard(saved, manifest.world_size, self.rank, self.world_size, manifest.step)
+        elif self.rank == 0:
             log.warning(
                 "Checkpoint %s was saved by %d ranks and is restored on %d: tensors are resharded, each rank "
                 "keeps its current RNG streams",
@@ -291,14 +296,25 @@ class ShardedCheckpoints:
         return manifest.id
 
     def _read_json(self, manifest: Manifest) -> tuple[Any, Any]:
-        """(state.json, this rank's own rank state or None), read and checked on every rank before anything
-        is loaded; a bad file on any rank is CheckpointCorrupt on every rank together (so all fall back)."""
+        """(state.json, the rank state), read and checked on every rank before anything is loaded; a bad file
+        on any rank is CheckpointCorrupt on every rank together (so all fall back).
+
+        The rank state is this rank's own (or None) at the saving world size; at another one it is the list of
+        every saving rank's state, by saved rank (None where a rank wrote none), for the state to re-split."""
         skeleton = saved = None
         problem: tuple[str, str] | None = None
         try:
             skeleton = read_skeleton(self.catalog, manifest)
-            if manifest.world_size == self.world_size and str(self.rank) in manifest.rank_files:
-                saved = read_skeleton(self.catalog, manifest, rank_file(manifest.id, self.rank))
+            if manifest.world_size == self.world_size:
+                if str(self.rank) in manifest.rank_files:
+                    saved = read_skeleton(self.catalog, manifest, rank_file(manifest.id, self.rank))
+            else:
+                saved = [
+                    read_skeleton(self.catalog, manifest, rank_file(manifest.id, r))
+                    if str(r) in manifest.rank_files
+                    else None
+                    for r in range(manifest.world_size)
+                ]
         except CheckpointCorrupt as exc:
             problem = ("corrupt", exc.reason)
         except Exception as exc:  # anything else still reaches every rank, not this one alone
