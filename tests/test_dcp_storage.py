@@ -255,3 +255,30 @@ def test_a_misspelt_verify_mode_is_refused_by_checkpoints_and_reader(tmp_path):
         ShardedCheckpoints(root, verify="ful")
     with pytest.raises(CheckpointError, match=expected):
         ShardReader(open_store(root), manifest, "ful")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("world_size", 2, f"{MARKER} records world_size 2, but {MANIFEST} says 1"),
+        ("files_xxh3", "0" * 16, f"{MARKER} pins files_xxh3 '{'0' * 16}', but {MANIFEST}'s files digest to"),
+    ],
+)
+def test_a_marker_whose_world_size_or_files_digest_disagrees_with_its_manifest_is_invalid(
+    tmp_path, capsys, field, value, reason
+):
+    """The manifest checksum still matches: only the marker's own sharded fields can tell."""
+    root = tmp_path / "store"
+    t = Tiny()
+    t.step()
+    manifest = _save_sharded(root, t, 1)
+    marker_path = root / f"{CKPT_PREFIX}{manifest.id}" / MARKER
+    marker = json.loads(marker_path.read_bytes())
+    assert marker["world_size"] == 1 and len(marker["files_xxh3"]) == 16  # what the commit wrote
+    assert open_store(root).verify(manifest.id, "fast") is None
+    marker[field] = value
+    marker_path.unlink()
+    write_file(str(marker_path), json.dumps(marker).encode())
+    assert reason in (open_store(root).verify(manifest.id, "none") or "")
+    assert main(["checkpoints", "verify", str(root), "--mode", "fast"]) == 1
+    assert f"INVALID  {manifest.id}: {reason}" in capsys.readouterr().out

@@ -26,6 +26,7 @@ from supervisor.checkpoint.manifest import (
     Manifest,
     TensorRef,
     check_marker,
+    marker_disagreement,
     marker_pin,
 )
 from supervisor.checkpoint.options import VERIFY_MODES, CheckpointInfo, parse_id
@@ -192,6 +193,8 @@ class Catalog:
             self._parsed[checkpoint_id] = (digest, manifest)
         if manifest.id != checkpoint_id:
             raise CheckpointCorrupt(checkpoint_id, f"{MANIFEST} names checkpoint {manifest.id!r}")
+        if reason := marker_disagreement(marker, manifest):  # type: ignore[arg-type]
+            raise CheckpointCorrupt(checkpoint_id, reason)
         if self.on_disk:  # names were checked by from_bytes; on a disk, symlinks can still lead out
             for rel in [f.path for f in manifest.files] + sorted(manifest.blobs()):
                 if why := resolves_outside(self.root, self.path(rel)):

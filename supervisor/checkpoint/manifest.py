@@ -186,6 +186,29 @@ def marker_pin(marker_raw: bytes | None) -> str | None:
     return pinned if isinstance(pinned, str) else None
 
 
+def marker_disagreement(marker_raw: bytes, manifest: Manifest) -> str | None:
+    """None when a sharded marker's `world_size` and `files_xxh3` (if present) match the parsed manifest it
+    pins, else the reason. The manifest checksum already pins both; this catches a marker written for
+    another commit's files, which a bug in the commit path could produce."""
+    try:
+        found = loads_bounded(marker_raw, max_depth=1, what=MARKER)
+    except ValueError as exc:
+        return f"{MARKER}: {exc}"
+    if not isinstance(found, dict):
+        return f"{MARKER}: expected a JSON object"
+    if "world_size" in found and found["world_size"] != manifest.world_size:
+        return (
+            f"{MARKER} records world_size {found['world_size']!r}, but {MANIFEST} says {manifest.world_size}"
+        )
+    if "files_xxh3" in found:
+        digest = files_digest(manifest.files)
+        if found["files_xxh3"] != digest:
+            return (
+                f"{MARKER} pins files_xxh3 {found['files_xxh3']!r}, but {MANIFEST}'s files digest to {digest}"
+            )
+    return None
+
+
 def check_marker(marker_raw: bytes, manifest_raw: bytes | None) -> str | None:
     """None when the marker is whole and matches the manifest, else the reason."""
     pinned = marker_pin(marker_raw)
