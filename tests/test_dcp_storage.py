@@ -282,3 +282,21 @@ def test_a_marker_whose_world_size_or_files_digest_disagrees_with_its_manifest_i
     assert reason in (open_store(root).verify(manifest.id, "none") or "")
     assert main(["checkpoints", "verify", str(root), "--mode", "fast"]) == 1
     assert f"INVALID  {manifest.id}: {reason}" in capsys.readouterr().out
+
+
+def test_the_staging_directory_goes_to_every_rank_relative_to_the_store_root(tmp_path):
+    """A rank on another node may mount the shared store at another path: only a relative path works there."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from supervisor.checkpoint.dcp_writer import ShardWriter
+
+    store = LocalStore(tmp_path / "store")
+    try:
+        meta = CheckpointMeta(make_id(1, 1), 1, 1, 1.0, {}, None, {}, None, None)
+        writer = ShardWriter(store.root, b"{}", CommitJob(store, meta, b"{}"))
+        plans = writer.prepare_global_plan([SavePlan([]), SavePlan([])])
+    finally:
+        store.close()
+    staged = [p.storage_data["staged"] for p in plans]
+    assert staged[0] == staged[1] and not os.path.isabs(staged[0]) and staged[0].startswith(TMP)
+    assert os.path.isdir(os.path.join(store.root, staged[0]))

@@ -164,7 +164,8 @@ class ShardWriter(StorageWriter):
                 p,
                 storage_data={
                     "id": cid,
-                    "staged": job.staged,
+                    # relative to the store root: a rank on another node may mount the shared store elsewhere
+                    "staged": os.path.relpath(job.staged, job.store.root),
                     "rank": r,
                     "blob": f"{BLOBS}/{cid}.r{r}.safetensors",
                     "reuse": list(reuse),
@@ -176,7 +177,8 @@ class ShardWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._phase("write_start")
         sd = plan.storage_data
-        cid, staged, rank = sd["id"], sd["staged"], sd["rank"]
+        cid, rank = sd["id"], sd["rank"]
+        staged = os.path.join(self.root, sd["staged"])
         self.saved_id = cid
         tensors: dict[str, torch.Tensor] = {}
         indexes: dict[str, MetadataIndex] = {}
@@ -282,7 +284,7 @@ def plan_rank(root: str, tensors: dict[str, torch.Tensor], blob: str, reuse: lis
     """This rank's dedup plan against the blobs of the committed checkpoints `reuse` (named by rank 0)."""
     index = None
     if reuse:
-        catalog = Catalog(_local_fs(), root)
+        catalog = _catalog(root)
         index = DedupIndex()
         index.rebuild(m for cid in reuse if (m := _readable(catalog, cid)) is not None)
     return plan(tensors, blob, index)
@@ -297,10 +299,18 @@ def _readable(catalog: Catalog, checkpoint_id: str) -> Manifest | None:
         return None
 
 
-def _local_fs() -> Any:
-    import fsspec
+#: One catalog per store root for the life of the process: it keeps the manifests it parsed (keyed by their
+#: checksum), so a rank's dedup planning does not parse every reusable manifest again on every save.
+_CATALOGS: dict[str, Catalog] = {}
 
-    return fsspec.filesystem("file")
+
+def _catalog(root: str) -> Catalog:
+    catalog = _CATALOGS.get(root)
+    if catalog is None:
+        import fsspec
+
+        catalog = _CATALOGS[root] = Catalog(fsspec.filesystem("file"), root)
+    return catalog
 
 
 def discard(job: CommitJob) -> None:
