@@ -300,3 +300,27 @@ def test_the_staging_directory_goes_to_every_rank_relative_to_the_store_root(tmp
     staged = [p.storage_data["staged"] for p in plans]
     assert staged[0] == staged[1] and not os.path.isabs(staged[0]) and staged[0].startswith(TMP)
     assert os.path.isdir(os.path.join(store.root, staged[0]))
+
+
+def test_an_unexpected_error_inside_a_save_is_logged_with_its_traceback(tmp_path, caplog):
+    """DCP replaces a rank's exception by a summary; the CheckpointError raised instead must not lose where."""
+    t = Tiny()
+    t.step()
+    skeleton, flat = t.state.snapshot(1)
+    store = LocalStore(tmp_path / "store")
+
+    def explode() -> None:
+        raise ZeroDivisionError("boom in before_commit")
+
+    try:
+        meta = CheckpointMeta(make_id(1, 1), 1, 1, 1.0, {}, None, {}, None, None)
+        job = CommitJob(store, meta, json.dumps(skeleton).encode(), before_commit=explode)
+        with caplog.at_level("WARNING", logger="rollback_supervisor.checkpoint"):
+            with pytest.raises(CheckpointError, match="rank 0: ZeroDivisionError: boom in before_commit"):
+                write_sharded(store.root, flat, b"{}", job, no_dist=True)
+    finally:
+        store.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "failed with ZeroDivisionError: boom in before_commit" in logged
+    assert "in explode" in logged and "test_dcp_storage.py" in logged  # the frame that raised
+    assert open_store(tmp_path / "store").list() == []

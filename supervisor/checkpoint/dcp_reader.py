@@ -7,6 +7,7 @@ is the resharding. Each stored chunk a rank needs is read once, its xxh3-128 com
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections import defaultdict
@@ -31,6 +32,8 @@ from supervisor.checkpoint.manifest import CKPT_PREFIX, STATE, Manifest
 from supervisor.checkpoint.options import VERIFY_MODES
 from supervisor.checkpoint.paths import LeavesStore
 from supervisor.errors import CheckpointCorrupt, CheckpointError
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
 
 #: As restore.py: state.json nests as deep as the registered state dicts do.
 _MAX_STATE_DEPTH = 200
@@ -207,7 +210,21 @@ def load_tensors(
 
 
 def unwrap(exc: CheckpointException, checkpoint_id: str) -> CheckpointError:
-    """The first rank's own error inside DCP's CheckpointException, as ours (corrupt stays corrupt)."""
+    """The first rank's own error inside DCP's CheckpointException, as ours (corrupt stays corrupt).
+
+    DCP carries each rank's traceback as a stack summary; an error that is not ours (an I/O error, a bug) is
+    logged with it here, since the CheckpointError raised in its place has no traceback of its own."""
+    for rank, (inner, stack) in sorted(exc.failures.items()):
+        if not isinstance(inner, CheckpointError):
+            where = "".join(stack.format()) if hasattr(stack, "format") else str(stack)
+            log.warning(
+                "checkpoint %s: rank %d failed with %s: %s\n%s",
+                checkpoint_id,
+                rank,
+                type(inner).__name__,
+                inner,
+                where,
+            )
     for rank, (inner, _) in sorted(exc.failures.items()):
         if isinstance(inner, CheckpointCorrupt):
             return CheckpointCorrupt(inner.checkpoint_id, f"rank {rank}: {inner.reason}")
