@@ -1,4 +1,5 @@
-"""`rollback-supervisor bench checkpoint`: our store against torch.save/torch.load, one process, medians."""
+"""`rollback-supervisor bench checkpoint`: our store against torch.save/torch.load, one process, medians; with
+`--sharded`, FSDP2 on several ranks against DCP's save, async_save and load."""
 
 from __future__ import annotations
 
@@ -36,11 +37,29 @@ def main(
     device: str = typer.Option(
         "cpu", "--device", help="Where the model lives: cpu, or cuda (snapshots go to pinned host memory)."
     ),
+    sharded: bool = typer.Option(
+        False, "--sharded", help="FSDP2 on --world-size ranks (torchrun): our sharded store against DCP."
+    ),
+    world_size: int | None = typer.Option(
+        None, "--world-size", help="Ranks of a --sharded run (default 2); cuda needs a GPU per rank."
+    ),
 ) -> None:
     """Measure save, restore and dedup against torch.save/torch.load; print and optionally write JSON."""
     count = parse_params(params)
     if device not in ("cpu", "cuda"):
         raise BenchError(f"--device: expected cpu or cuda, got {device!r}")
+    if world_size is not None and not sharded:
+        raise BenchError(f"--world-size {world_size}: only a --sharded run has ranks; add --sharded")
+    if sharded:
+        from benchmarks.sharded_checkpoint import check_device
+        from benchmarks.sharded_checkpoint import run as run_sharded
+
+        ranks = 2 if world_size is None else world_size
+        check_device(device, ranks)  # before a scratch directory or a process exists
+        with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-sharded-") as tmp:
+            result = run_sharded(count, reps, ranks, Path(tmp), device=device)
+        typer.echo(write_json(result, json_path))
+        return
     from benchmarks.checkpoint import run  # torch loads only when the benchmark runs
 
     with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-") as tmp:

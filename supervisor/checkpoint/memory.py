@@ -1,7 +1,12 @@
-"""Host-memory snapshots in a ring of reused, preallocated buffers (the blocking part of a save)."""
+"""Host-memory snapshots in a ring of reused, preallocated buffers (the blocking part of a save).
+
+A `DTensor` (FSDP2's sharded parameters and optimizer state) is captured as its local shard, with what it
+takes to rewrap the copy (`Snapshot.staged()`): no collective, each rank copies its own shards.
+"""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -10,6 +15,16 @@ from typing import Any
 import torch
 
 from supervisor.checkpoint.fastcopy import copy_tensors, nonfinite_in
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a captured local shard sits in its global DTensor: enough to rewrap the copy without a collective."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
 
 
 @dataclass
@@ -23,6 +38,8 @@ class Snapshot:
     meta: dict[str, Any] = field(default_factory=dict)
     checked: Callable[[str], bool] = field(default=lambda name: True, repr=False, compare=False)
     """Which tensors nonfinite() looks at."""
+    layouts: dict[str, ShardLayout] = field(default_factory=dict, repr=False, compare=False)
+    """The captured DTensors' layouts, by name; `tensors` holds their local shards."""
     _nonfinite: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -39,6 +56,23 @@ class Snapshot:
                 bad = nonfinite_in(((n, t) for n, t in self.tensors.items() if self.checked(n)), threads=1)
                 self._nonfinite = tuple(n for n in self.tensors if n in bad)
             return self._nonfinite
+
+    def staged(self) -> dict[str, Any]:
+        """The copies as the live state had them: each DTensor's shard rewrapped over the reused buffer (no
+        collective: `run_check=False`, the global shape and stride kept), plain tensors as they are."""
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, Any] = {}
+        for name, buf in self.tensors.items():
+            lay = self.layouts.get(name)
+            out[name] = (
+                buf
+                if lay is None
+                else DTensor.from_local(
+                    buf, lay.mesh, lay.placements, run_check=False, shape=lay.shape, stride=lay.stride
+                )
+            )
+        return out
 
 
 class _Slot:
@@ -74,6 +108,8 @@ class SnapshotRing:
     ) -> Snapshot:
         """Copy `live` tensors into the oldest free slot (waits for one) and mark it busy until release().
 
+        A DTensor's local shard is copied (`to_local()`), and its layout kept for `Snapshot.staged()`.
+
         `checked` selects the tensors whose finiteness `Snapshot.nonfinite()` reports (all by default).
         """
         with self._cond:
@@ -83,7 +119,8 @@ class SnapshotRing:
             self._counter += 1
             slot.order = self._counter
         try:
-            tensors = copy_into(slot.buffers, live)
+            local, layouts = local_shards(live)
+            tensors = copy_into(slot.buffers, local)
         except BaseException:
             self._free(slot)
             raise
@@ -94,6 +131,7 @@ class SnapshotRing:
             sum(t.numel() * t.element_size() for t in tensors.values()),
             meta,
             checked or (lambda name: True),
+            layouts=layouts,
         )
         with self._cond:
             slot.snapshot = snap
@@ -125,6 +163,23 @@ class SnapshotRing:
             for s in self._slots:
                 if s.snapshot is not None and s.snapshot.id == checkpoint_id and not s.busy:
                     s.snapshot = None
+
+
+def local_shards(live: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, ShardLayout]]:
+    """Each DTensor of `live` as its local shard (a view, no copy) plus its layout; plain tensors as they are."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: skip the import's cost
+        return dict(live), {}
+    from torch.distributed.tensor import DTensor
+
+    local: dict[str, torch.Tensor] = {}
+    layouts: dict[str, ShardLayout] = {}
+    for name, t in live.items():
+        if isinstance(t, DTensor):
+            local[name] = t.to_local()
+            layouts[name] = ShardLayout(t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride()))
+        else:
+            local[name] = t
+    return local, layouts
 
 
 def copy_into(buffers: dict[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

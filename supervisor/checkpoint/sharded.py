@@ -1,8 +1,14 @@
-"""`ShardedCheckpoints`: every rank's synchronous save and restore of a sharded state through DCP, in our store.
+"""`ShardedCheckpoints`: every rank's save and restore of a sharded state through DCP, in our store.
 
 Every rank writes its own shards; rank 0 owns the store (its lock, retention, the commit). The local store must
 be one directory that every rank sees. Calls are collective: every rank of `process_group` makes the same
 calls in the same order. Not thread-safe; use from the training thread.
+
+Asynchronous saves (`blocking=False`): each rank copies its local shards into its own reused host buffers (the
+`SnapshotRing`) and returns; its writer thread (`AsyncWriter`, one job at a time, in submission order) runs the
+same DCP save over `process_group`, which nothing else uses meanwhile: a synchronous save, a restore from disk
+and `close()` first wait for the writer. The ring keeps the last snapshots after they are written, so
+`restore_memory` at the same world size copies them back with no DCP and no disk.
 
 Two kinds of failure, told apart because they call for different actions:
 - `CheckpointError`: the save failed on some rank (disk full, a bad tensor) and every rank knows it in
@@ -28,15 +34,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from supervisor.checkpoint.asyncwriter import AsyncWriter, BackgroundErrors
 from supervisor.checkpoint.catalog import Catalog
 from supervisor.checkpoint.dcp_reader import check_verify, load_tensors, read_skeleton, unwrap
 from supervisor.checkpoint.dcp_writer import CommitJob, SaveRefused, ShardWriter, discard, rank_file
+from supervisor.checkpoint.fastcopy import copy_tensors
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import Manifest, library_versions
-from supervisor.checkpoint.options import make_id, parse_id
+from supervisor.checkpoint.memory import Snapshot, SnapshotRing, local_shards
+from supervisor.checkpoint.options import MEMORY_SLOTS, make_id, parse_id
 from supervisor.checkpoint.retention import RetentionPolicy
 from supervisor.checkpoint.writer import CheckpointMeta
-from supervisor.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, SupervisorError
+from supervisor.errors import (
+    BackgroundSaveError,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointNotFound,
+    SupervisorError,
+)
 from supervisor.flatten import unflatten
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
@@ -96,6 +111,17 @@ def _from_data(data: tuple[str, ...]) -> CheckpointError:
     return (CheckpointNotFound if data[0] == "not_found" else CheckpointError)(data[1])
 
 
+def _mismatch(snap: Snapshot, local: Mapping[str, Any]) -> str | None:
+    """Why the snapshot cannot be copied into these live local shards (None: it can)."""
+    if set(snap.tensors) != set(local):
+        return f"its ring snapshot {snap.id} holds other tensors than the live state"
+    for name, t in local.items():
+        buf = snap.tensors[name]
+        if buf.shape != t.shape or buf.dtype != t.dtype:
+            return f"{name}: snapshot {tuple(buf.shape)} {buf.dtype}, live {tuple(t.shape)} {t.dtype}"
+    return None
+
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
@@ -147,6 +173,13 @@ class ShardedCheckpoints:
     Without a `process_group`, a distributed run gets a gloo group of its own with `collective_timeout_s`
     (`checkpoint_group`). `phase_hook(phase, rank)` is called at each step of the save protocol
     (`dcp_writer.PHASES`): crash tests kill a rank there with a real signal.
+
+    Asynchronous saves: at most `max_in_flight` pending per rank; the ring holds max(`memory_slots`,
+    `max_in_flight`) snapshots. `control_group`, a group only the training thread uses (the Session's), lets
+    `restore_memory` agree without waiting for the writer; without one it waits, then agrees on
+    `process_group`. A save that failed (CheckpointError, on every rank in lockstep) is raised as
+    BackgroundSaveError by the first `save()` that finds it finished on every rank, or by `wait()`; a lost
+    peer is RankLost there. Training may go on after the first, never after the second.
     """
 
     def __init__(
@@ -160,6 +193,9 @@ class ShardedCheckpoints:
         verify: str = "full",
         phase_hook: Callable[[str, int], None] | None = None,
         clock: Callable[[], float] = time.time,
+        control_group: Any = None,
+        memory_slots: int = MEMORY_SLOTS,
+        max_in_flight: int = 1,
     ):
         check_verify(verify)  # before any collective: every rank passes the same value, so all raise alike
         self.root = os.path.abspath(os.fspath(directory))
@@ -169,25 +205,45 @@ class ShardedCheckpoints:
         self.group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
-        self.retention, self.verify, self._hook, self._clock = retention, verify, phase_hook, clock
+        self.retention, self.verify, self._clock = retention, verify, clock
+        #: Called at each phase of every later save (a seam for crash and failure tests; may be set at any time).
+        self.phase_hook = phase_hook
         self.gate = gate
+        self.control = control_group
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise CheckpointError(f"max_in_flight: expected an integer >= 1, got {max_in_flight!r}")
+        self.max_in_flight = max_in_flight
+        self.ring = SnapshotRing(max(memory_slots, max_in_flight))
+        self._writer = AsyncWriter(
+            f"ckpt-shards-r{self.rank}", BackgroundErrors(), max_in_flight=max_in_flight
+        )
+        #: Failed background saves not raised yet, oldest first: (save number, id, error).
+        self._failed: list[tuple[int, str, BaseException]] = []
+        self._lost: RankLost | None = None
+        self._count = 0  # saves submitted: the same number on every rank, since saves are collective
+        self._stale: set[str] = set()  # ring snapshots newer than what was restored: never "latest" again
         self.store = None
         failure: tuple[str, ...] | None = None
         cause: BaseException | None = None
+        seq = 0
         if self.rank == 0:
             try:
                 self.store = LocalStore(self.root)
+                seq = max((parse_id(i)[1] for i in self.store.catalog.ids()), default=0)
             except Exception as exc:  # sent to every rank, which would otherwise wait for the timeout
                 failure, cause = _as_data(exc), exc
         if self.distributed:
-            sent: list[Any] = [failure]
+            sent: list[Any] = [failure, seq]
             try:  # also the barrier: the store directory exists before any other rank reads it
                 dist.broadcast_object_list(sent, group=process_group, group_src=0)
             except RuntimeError as exc:
                 raise _lost(f"opening {self.root}", exc) from exc
-            failure = sent[0]
+            failure, seq = sent
         if failure is not None:
             raise _from_data(failure) from cause
+        # Every rank names each save alike without a collective (the writer thread owns the group): the id is
+        # known when the save is submitted, so every rank's ring holds it under the same id.
+        self._seq = int(seq)
         self.catalog = self.store.catalog if self.store else Catalog(fsspec.filesystem("file"), self.root)
 
     def save(
@@ -197,47 +253,164 @@ class ShardedCheckpoints:
         metrics: Mapping[str, float] | None = None,
         *,
         before_commit: Callable[[], Any] | None = None,
+        blocking: bool = True,
     ) -> str | None:
-        """Write and commit checkpoint `step` from every rank; returns its id, or None when rank 0's `gate`
-        refused it (on every rank alike). CheckpointError on any failure, on every rank together (nothing
-        committed); RankLost when a peer is gone. `before_commit` runs on rank 0 once every rank's files are
-        durable, before the marker (a raise there commits nothing). A state with `checked()` names the
-        tensors whose non-finite values mark the checkpoint unhealthy (module buffers are left out)."""
+        """Save checkpoint `step` from every rank; returns its id.
+
+        `blocking`: written and committed before it returns; None when rank 0's `gate` refused it (on every rank
+        alike); CheckpointError on any failure, on every rank together (nothing committed); RankLost when a
+        peer is gone. `blocking=False`: returns once this rank's shards are copied into its ring; the write
+        follows on the writer thread, after the saves before it (see the class for how failures come back).
+        `before_commit` runs on rank 0 once every rank's files are durable, before the marker (a raise there
+        commits nothing). A state with `checked()` names the tensors whose non-finite values mark the
+        checkpoint unhealthy (module buffers are left out).
+        """
         t0 = time.monotonic()
-        skeleton, flat = state.snapshot()
-        job = None
-        if self.rank == 0:
-
-            def job() -> CommitJob:  # built by DCP's planning step, so a failure reaches every rank at once
-                made = self._job(step, skeleton, metrics)
-                made.before_commit = before_commit
-                checked = getattr(state, "checked", None)
-                made.checked = checked() if callable(checked) else None
-                return made
-
+        if blocking:
+            self._writer.drain()  # in submission order; and the group is this thread's while it writes
+            self._raise_failures(self._count)
+        else:
+            self._writer.reserve()  # blocks while max_in_flight saves are pending
+            try:  # saves up to count - max_in_flight + 1 are finished now on every rank: their failures agree
+                self._raise_failures(self._count + 1 - self.max_in_flight)
+            except BaseException:
+                self._writer.unreserve()
+                raise
+        self._count += 1
+        self._seq += 1
+        cid = make_id(step, self._seq)
         try:
-            cid = write_sharded(
+            skeleton, flat = state.snapshot()
+            skeleton_raw, rank_raw = _dumps(skeleton), _dumps(state.rank_state())
+            checks = getattr(state, "checked", None)
+            checked = checks() if callable(checks) else None
+            job = self._job_maker(cid, self._seq, step, skeleton_raw, metrics, before_commit, checked)
+            if blocking:
+                return self._write(cid, step, flat, rank_raw, job, t0)
+            self._writer.prune()
+            snap = self.ring.capture(cid, skeleton_raw, flat, {"step": step, "rank_raw": rank_raw}, checked)
+        except BaseException:
+            if not blocking:
+                self._writer.unreserve()
+            raise
+        self._writer.submit(cid, self._write_snapshot, snap, job, self._count)
+        log.info(
+            "Captured sharded checkpoint %s on rank %d (%.1f MB): training blocked %.3f s; written in the background",
+            cid,
+            self.rank,
+            snap.nbytes / 1e6,
+            time.monotonic() - t0,
+        )
+        return cid
+
+    def _job_maker(
+        self,
+        cid: str,
+        seq: int,
+        step: int,
+        skeleton_raw: bytes,
+        metrics: Mapping[str, float] | None,
+        before_commit: Callable[[], Any] | None,
+        checked: Callable[[str], bool] | None,
+    ) -> Callable[[], CommitJob] | None:
+        """Rank 0: the commit job, built by DCP's planning step, so that a failure reaches every rank at once."""
+        if self.rank != 0:
+            return None
+
+        def job() -> CommitJob:
+            made = self._job(cid, seq, step, skeleton_raw, metrics)
+            made.before_commit = before_commit
+            made.checked = checked
+            return made
+
+        return job
+
+    def _write(
+        self,
+        cid: str,
+        step: int,
+        flat: Mapping[str, Any],
+        rank_raw: bytes,
+        job: Callable[[], CommitJob] | None,
+        t0: float,
+    ) -> str | None:
+        """One save through DCP (the training thread's, or the writer's); None when the gate refused it."""
+        try:
+            write_sharded(
                 self.root,
                 flat,
-                _dumps(state.rank_state()),
+                rank_raw,
                 job,
                 process_group=self.group,
                 no_dist=not self.distributed,
-                phase_hook=self._hook,
+                phase_hook=self.phase_hook,
             )
         except SaveRefused as exc:
-            log.info("Not committing checkpoint of step %d (%s)", step, exc)
+            log.info("Not committing checkpoint %s of step %d (%s)", cid, step, exc)
             return None
         log.info("Saved sharded checkpoint %s on rank %d in %.3f s", cid, self.rank, time.monotonic() - t0)
         return cid
 
-    def _job(self, step: int, skeleton: Any, metrics: Mapping[str, float] | None) -> CommitJob:
+    def _write_snapshot(self, snap: Snapshot, job: Callable[[], CommitJob] | None, number: int) -> None:
+        """The writer thread's job: one ring snapshot through DCP; a failure is kept for `save()`/`wait()`."""
+        t0 = time.monotonic()
+        kept = False
+        try:
+            if self._lost is not None:  # the group is unusable: no collective can succeed any more
+                raise self._lost
+            kept = (
+                self._write(snap.id, snap.meta["step"], snap.staged(), snap.meta["rank_raw"], job, t0)
+                is not None
+            )
+        except RankLost as exc:
+            log.error("Background save %s on rank %d: %s", snap.id, self.rank, exc)
+            self._lost = exc
+        except (
+            BaseException
+        ) as exc:  # CheckpointError on every rank alike: this save is lost, training goes on
+            log.error("Background save %s failed on rank %d: %s", snap.id, self.rank, exc)
+            self._failed.append((number, snap.id, exc))
+        finally:
+            self.ring.release(snap)
+            if not kept:  # never committed: not a checkpoint to restore
+                self.ring.drop(snap.id)
+
+    def _raise_failures(self, upto: int) -> None:
+        """Raise RankLost, else the oldest failure among saves number <= `upto` (each failure once)."""
+        if self._lost is not None:
+            raise self._lost
+        if self._failed and self._failed[0][0] <= upto:
+            _, cid, exc = self._failed.pop(0)
+            raise BackgroundSaveError(
+                f"background save of sharded checkpoint {cid} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def writing(self) -> bool:
+        """Whether a save on this rank is still being written (each rank has its own writer)."""
+        return any(not f.done() for f in self._writer.futures())
+
+    def drain(self) -> None:
+        """Block until no save of this rank is pending, raising nothing (failures wait for `wait()`/`save()`)."""
+        self._writer.drain()
+
+    def wait(self) -> None:
+        """Block until no save of this rank is pending; then RankLost if a peer was lost, else the oldest failed
+        save as BackgroundSaveError (one per call: call again for the next)."""
+        self._writer.drain()
+        self._raise_failures(self._count)
+
+    def _job(
+        self,
+        cid: str,
+        seq: int,
+        step: int,
+        skeleton_raw: bytes,
+        metrics: Mapping[str, float] | None,
+    ) -> CommitJob:
         assert self.store is not None
-        ids = self.catalog.ids()
-        seq = max((parse_id(i)[1] for i in ids), default=0) + 1
         latest = self.catalog.latest("none")
         meta = CheckpointMeta(
-            make_id(step, seq),
+            cid,
             seq,
             step,
             self._clock(),
@@ -247,7 +420,7 @@ class ShardedCheckpoints:
             None,
             None,
         )
-        return CommitJob(self.store, meta, _dumps(skeleton), prepare=self._prepare, gate=self.gate)
+        return CommitJob(self.store, meta, skeleton_raw, prepare=self._prepare, gate=self.gate)
 
     def _prepare(self) -> list[str]:
         """Retention before the save is planned (rank 0), then the checkpoints whose blobs it may reuse."""
@@ -266,6 +439,7 @@ class ShardedCheckpoints:
         falls back to the next older commit, on every rank together, when a rank finds the newest corrupt; a
         specific id raises CheckpointCorrupt instead.
         """
+        self._writer.drain()  # DCP's collectives need the group: the writer's pending saves first
         skipped: list[str] = []
         while True:
             manifest = self._agree_on(which, skipped)
@@ -278,9 +452,11 @@ class ShardedCheckpoints:
                     raise
                 log.warning("Skipping checkpoint %s (%s)", manifest.id, exc.reason)
                 skipped.append(manifest.id)
+        self._forget_after(manifest.id)
         if manifest.world_size == self.world_size:
             if saved is not None:
                 state.load_rank_state(saved)
+            log.info("Restored sharded checkpoint %s from disk on rank %d", manifest.id, self.rank)
             return manifest.id
         reshard = getattr(state, "load_rank_states_resharded", None)
         if callable(reshard):  # every saving rank's own state, re-split for this world size (pure per rank)
@@ -383,10 +559,78 @@ class ShardedCheckpoints:
             raise _from_data(found[0]) from cause
         return Manifest.from_bytes(found[0])
 
+    def restore_memory(self, state: ShardedState, which: str = "latest") -> str:
+        """Restore `which` ("latest": the newest healthy snapshot) from every rank's own ring, at the same world
+        size, with no DCP; from disk (`restore`) unless every rank holds it. Collective; returns the id.
+
+        Each rank copies its snapshot back into the local shards of the live state (`to_local()` of the
+        aliases), then loads the state and its own rank state, as a restore from disk does.
+        """
+        t0 = time.monotonic()
+        _, live = state.snapshot()
+        local, _ = local_shards(live)
+        snap = self._held(which)
+        problem = None if snap is not None else f"not in rank {self.rank}'s memory ring"
+        if snap is not None:
+            problem = _mismatch(snap, local)
+        mine = snap.id if problem is None and snap is not None else None
+        found: list[Any] = [(mine, problem)]
+        if self.distributed:
+            group = self.control
+            if group is None:  # the group is the writer's: it must be idle first
+                self._writer.drain()
+                group = self.group
+            found = [None] * self.world_size
+            try:
+                dist.all_gather_object(found, (mine, problem), group=group)
+            except RuntimeError as exc:
+                raise _lost(f"agreeing on the memory restore of {which}", exc) from exc
+        ids = {f[0] for f in found}
+        if mine is None or ids != {mine}:
+            reasons = "; ".join(f"rank {r}: {f[1] or 'holds ' + str(f[0])}" for r, f in enumerate(found))
+            log.info("Restoring %s from disk, not memory (%s)", which, reasons)
+            return self.restore(state, which)
+        assert snap is not None
+        copy_tensors([(local[name], snap.tensors[name]) for name in local])
+        state.load(unflatten(json.loads(snap.skeleton), dict(live)))
+        state.load_rank_state(json.loads(snap.meta["rank_raw"]))
+        self._forget_after(snap.id)
+        log.info(
+            "Restored sharded checkpoint %s from memory on rank %d in %.3f s",
+            snap.id,
+            self.rank,
+            time.monotonic() - t0,
+        )
+        return snap.id
+
+    def holds(self, checkpoint_id: str) -> bool:
+        """Whether this rank's ring holds checkpoint `checkpoint_id` (restorable from memory)."""
+        return self.ring.get(checkpoint_id) is not None
+
+    def _held(self, which: str) -> Snapshot | None:
+        """This rank's snapshot of `which`; "latest": the newest one not gone past and all finite here."""
+        if which != "latest":  # an explicit id, even one a restore went back past: its bytes are the same
+            return self.ring.get(which)
+        for snap in reversed(self.ring.snapshots()):
+            if snap.id not in self._stale and not snap.nonfinite():
+                return snap
+        return None
+
+    def _forget_after(self, checkpoint_id: str) -> None:
+        """A restore went back to `checkpoint_id`: later snapshots are never the memory's "latest" again."""
+        seq = parse_id(checkpoint_id)[1]
+        self._stale |= {s.id for s in self.ring.snapshots() if parse_id(s.id)[1] > seq}
+
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        """Finish this rank's pending saves, stop its writer thread, release the store (rank 0); then raise
+        what `wait()` would."""
+        try:
+            self._writer.close()
+        finally:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+        self._raise_failures(self._count)
 
     def __enter__(self) -> ShardedCheckpoints:
         return self

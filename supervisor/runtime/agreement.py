@@ -1,7 +1,8 @@
 """Under DDP, what every rank does after a step is agreed by one all_reduce(MAX): no rank is left behind.
 
-Each rank brings its own view (an anomaly seen, a stop requested, a save due, rank 0's write in flight); every
-rank gets the same merged answer, so all of them stop, save or go on together.
+Each rank brings its own view (an anomaly seen, a stop requested, a save due, its write in flight: rank 0's
+alone, or with sharded checkpoints each rank's own writer); every rank gets the same merged answer (the maximum
+of each flag), so all of them stop, save or go on together.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class StepView:
 
     @property
     def save(self) -> bool:
-        """Whether the ranks save now: one wants to, rank 0 is not still writing, and nobody stops."""
+        """Whether the ranks save now: one wants to, no rank is still writing, and nobody stops."""
         return self.save_due and not self.writing and self.stop is None and not self.anomaly
 
 

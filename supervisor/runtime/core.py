@@ -78,8 +78,9 @@ class TrainingCore:
     the same in one process, for a driver whose loop cannot restart its data iterator (a framework's).
 
     With a sharded model registered (DTensor parameters: FSDP2), every rank saves and restores its own shards
-    (`ShardedStore`; synchronous) and nothing is gathered; an anomaly is then rolled back in process on every
-    rank: rank 0 decides and names the target, every rank restores its own shards of it from disk.
+    (`ShardedStore`; in the background with `checkpoint.async`, each rank's own writer) and nothing is gathered;
+    an anomaly is then rolled back in process on every rank: rank 0 decides and names the target, every rank
+    restores its own shards of it from its memory ring when every rank holds it, else from disk.
     """
 
     def __init__(

@@ -10,12 +10,13 @@ rank is ever left waiting in a collective the others skipped.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class Distributed:
     rank: int
     world_size: int
     group: Any
+    #: The checkpoint writers' own gloo group (sharded saves), once `checkpoint_group()` made it.
+    ckpt_group: Any = field(default=None, repr=False)
 
     @classmethod
     def detect(cls) -> Distributed | None:
@@ -70,19 +73,36 @@ class Distributed:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def checkpoint_group(self, timeout_s: float) -> Any:
+        """The gloo group the sharded checkpoint writers use (made on first call, with `timeout_s` per
+        collective; collective: every rank calls it at the same point). A writer thread's collectives on the
+        session's group would race the training thread's (FACTS.md: DCP in a thread on the training group
+        hangs); `finish()` tears it down in order, before the session's group."""
+        if self.ckpt_group is None:
+            if not timeout_s > 0:
+                raise CheckpointError(
+                    f"checkpoint collective timeout: expected a number of seconds > 0, got {timeout_s!r}"
+                )
+            self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        return self.ckpt_group
+
     def finish(self, timeout_s: float = 60.0) -> None:
-        """Leave together: wait for every rank, then release the session's group.
+        """Leave together: wait for every rank, then release the checkpoint group and the session's group, in
+        that order on every rank (the store was closed before: no writer thread uses them any more).
 
         A rank that tears gloo down while a peer is still inside its last save or collective can die with
         SIGABRT ("terminate called without an active exception") after training finished; a finished run would
-        then be classified as a crash.
+        then be classified as a crash. So can a group left to the final `destroy_process_group`.
         """
-        import datetime
-
         try:
             dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s))
         finally:
-            dist.destroy_process_group(self.group)
+            try:
+                if self.ckpt_group is not None:
+                    dist.destroy_process_group(self.ckpt_group)
+                    self.ckpt_group = None
+            finally:
+                dist.destroy_process_group(self.group)
 
     def agree(self, *flags: int) -> tuple[int, ...]:
         """Element-wise maximum of `flags` over all ranks (every rank gets the same answer)."""

@@ -3,15 +3,24 @@ sharded model (FSDP2), every rank's `ShardedCheckpoints`."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from supervisor.checkpoint import CheckpointInfo, CheckpointManager, CheckpointOptions
+from supervisor.checkpoint.options import parse_id
 from supervisor.checkpoint.restorer import Which
 from supervisor.checkpoint.retention import policy_from_settings
-from supervisor.errors import CheckpointError, CheckpointNotFound, UnsupportedStateError, UserError
+from supervisor.errors import (
+    BackgroundSaveError,
+    CheckpointError,
+    CheckpointNotFound,
+    UnsupportedStateError,
+    UserError,
+)
 from supervisor.runtime.distributed import ReadOnlyCheckpoints
 from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective
@@ -107,6 +116,25 @@ class SegmentStore:
         return self.writer
 
 
+def _write_mode(options: CheckpointOptions | None, dist: Collective | None) -> dict[str, Any]:
+    """Rank 0's choice of asynchronous saves, memory slots and saves in flight, on every rank (only rank 0
+    has the options; a rank that wrote alone would leave the others in its collective)."""
+    mine = None
+    if options is not None:
+        mine = json.dumps(
+            {
+                "async": options.async_save,
+                "memory_slots": options.memory_slots,
+                "max_in_flight": options.max_in_flight,
+            }
+        )
+    if dist is not None:
+        mine = dist.broadcast_outcome(mine if dist.is_writer else None)
+    if not mine:
+        return {"async": False, "memory_slots": 0, "max_in_flight": 1}
+    return json.loads(mine)
+
+
 def sharded_target(store: ShardedStore, spec: RestoreSpec, where: str) -> str | None:
     """Rank 0: what the plan restores ("latest" or an id), or None for a start from scratch (as
     `choose_and_restore` decides, refusing to start over when checkpoints exist but none is valid)."""
@@ -129,10 +157,15 @@ class SaveFailedError(OSError):
 class ShardedStore:
     """`ShardedCheckpoints` behind the store seams, on every rank: each rank saves and restores its own shards.
 
-    Saves are synchronous (the ring and writer thread of the design's slice 5 are not built): `save()` returns
-    once the checkpoint is committed, so `writing()` is always False. Every call but the catalog's reads is
-    collective. Rank 0 (`commits`) owns the store: the listing, retention, abandoning; the other ranks' rank-0-only
-    verbs do nothing, as `ReadOnlyCheckpoints`' do.
+    With the policy's `checkpoint.async` (rank 0's options, sent to every rank at the start), `save()` returns
+    once each rank's shards are copied into its ring and each rank's writer thread writes them over the
+    checkpoint group (`Distributed.checkpoint_group`); `writing()` is this rank's own writer (the Session's
+    agreement takes the maximum over ranks). A failed background save comes back from the next `save()` or
+    `wait()` on every rank: rank 0 raises it for the saver to report, the others log it. A restore, from disk
+    or from memory, goes through the ring first: every rank copies back its own snapshot when every rank holds
+    it, else every rank reads its shards from disk. Every call but the catalog's reads is collective. Rank 0
+    (`commits`) owns the store: the listing, retention, abandoning; the other ranks' rank-0-only verbs do
+    nothing, as `ReadOnlyCheckpoints`' do.
     """
 
     def __init__(
@@ -149,18 +182,31 @@ class ShardedStore:
 
         self.state, self._options, self.dist = state, options, dist
         self._held: set[str] = set()
-        # The Session's own gloo group (see `Distributed`), not one more: saves run on the training thread, so
-        # they never interleave with its collectives, and it is torn down in order by `Distributed.finish`.
-        # A third gloo group, left to the final `destroy_process_group`, made a rank abort at exit now and
-        # then (SIGABRT, "terminate called without an active exception") on these shared cores.
+        mode = _write_mode(options, dist)
+        self.blocking = not mode["async"]
+        # The writers' own gloo group, made on every rank here and torn down in order by `Distributed.finish`
+        # (a third gloo group left to the final `destroy_process_group` made a rank abort at exit now and then).
+        # Restores agree on the Session's group, which only the training thread uses.
+        make_group = getattr(dist, "checkpoint_group", None)
         self.checkpoints = ShardedCheckpoints(
             directory,
-            process_group=getattr(dist, "group", None),
+            process_group=make_group(collective_timeout_s) if make_group is not None else None,
             collective_timeout_s=collective_timeout_s,
             retention=None,
             verify=verify,
+            control_group=getattr(dist, "group", None),
+            memory_slots=mode["memory_slots"],
+            max_in_flight=mode["max_in_flight"],
         )
         self.commits = self.checkpoints.rank == 0
+        if self.commits:
+            log.info(
+                "sharded checkpoints %s: %s",
+                directory,
+                "synchronous (checkpoint.async is off)"
+                if self.blocking
+                else f"asynchronous, each rank's writer thread; {len(self.checkpoints.ring)} memory slots per rank",
+            )
         if self.commits and options is not None and options.remote:
             log.warning(
                 "checkpoint.remote %s is not used for sharded checkpoints yet (issue 17): they stay in %s",
@@ -193,46 +239,92 @@ class ShardedStore:
             self.checkpoints.retention = policy_from_settings(
                 o.keep_last, o.keep_best, o.keep_every_steps, protected=set(self._held)
             )
-        try:
-            cid = self.checkpoints.save(step, self.state, metrics, before_commit=before_commit)
-        except CheckpointError as exc:
-            if isinstance(exc, UnsupportedStateError):  # the user's state, not the disk: fix the script
-                raise
-            # Every rank got it in lockstep and nothing was committed. A failed save costs the checkpoint, not
-            # the run: rank 0 reports it (the saver takes an OSError as a failed write), as it would alone.
-            if not self.commits:
-                log.warning("sharded checkpoint of step %d not saved: %s", step, exc)
-                return None
-            raise SaveFailedError(f"sharded checkpoint of step {step} not saved: {exc}") from exc
+        while True:
+            try:
+                cid = self.checkpoints.save(
+                    step, self.state, metrics, before_commit=before_commit, blocking=self.blocking
+                )
+                break
+            except BackgroundSaveError as exc:
+                if self.commits:  # the saver reports it (log, MLflow, events) and calls again
+                    raise
+                self._reported(exc)
+            except CheckpointError as exc:
+                if isinstance(exc, UnsupportedStateError):  # the user's state, not the disk: fix the script
+                    raise
+                # Every rank got it in lockstep and nothing was committed. A failed save costs the checkpoint,
+                # not the run: rank 0 reports it (the saver takes an OSError as a failed write), as it would alone.
+                if not self.commits:
+                    log.warning("sharded checkpoint of step %d not saved: %s", step, exc)
+                    return None
+                raise SaveFailedError(f"sharded checkpoint of step {step} not saved: {exc}") from exc
         if cid is None:
             return None
-        self._last = self._info(cid)
+        if self.blocking:
+            self._last = self._info(cid)
+        else:  # pending: the catalog lists it once committed
+            self._last = CheckpointInfo(
+                cid, int(step), time.time(), dict(metrics or {}), seq=parse_id(cid)[1], tiers=("memory",)
+            )
         return self._last
+
+    def _reported(self, exc: BaseException) -> None:
+        """A rank > 0's view of a failed background save: logged here; rank 0 reports it once for the run."""
+        log.warning(
+            "checkpoint not saved on rank %d, training goes on (rank 0 reports it): %s",
+            self.checkpoints.rank,
+            exc,
+        )
 
     def _info(self, checkpoint_id: str) -> CheckpointInfo:
         return self.checkpoints.catalog.get(checkpoint_id)
 
     def restore(self, which: Which = "latest") -> CheckpointInfo:
-        """Every rank loads its own shards of `which` (rank 0 chooses for "latest"); collective."""
+        """Every rank loads its own shards of `which` (rank 0 chooses for "latest"); collective. From every
+        rank's memory ring when every rank holds it (the same bytes as on disk), else from disk."""
+        return self.restore_memory(which)
+
+    def restore_memory(self, which: Which = "latest", *, wait: bool = True) -> CheckpointInfo:
+        """From every rank's memory ring if every rank holds `which`, else from disk, on every rank together.
+
+        It never raises CheckpointNotFound for a snapshot missing from memory: the other ranks are already in
+        the collective, so the fall back to disk is taken together, inside. Writes in flight are waited for only
+        on the way to disk.
+        """
         which = which if isinstance(which, str) else which.id
         if self.announce is not None:
             self.announce(which)
-        cid = self.checkpoints.restore(self.state, which)
+        cid = self.checkpoints.restore_memory(self.state, which)
         self._last = self._info(cid)
         return self._last
 
-    def restore_memory(self, which: Which = "latest", *, wait: bool = True) -> CheckpointInfo:
-        """No host-memory ring yet (slice 5): restored from disk, on every rank."""
-        return self.restore(which)
-
     def writing(self) -> bool:
-        return False
+        """Whether this rank's writer still writes a save (the agreement takes the maximum over ranks)."""
+        return self.checkpoints.writing()
 
     def wait(self) -> None:
-        """Nothing is pending: every save committed before it returned."""
+        """Until no save of this rank is pending; rank 0 raises each failed one (BackgroundSaveError), the other
+        ranks log them."""
+        while True:
+            try:
+                self.checkpoints.wait()
+                return
+            except BackgroundSaveError as exc:
+                if self.commits:
+                    raise
+                self._reported(exc)
 
     def close(self) -> None:
-        self.checkpoints.close()
+        """Finish this rank's writes and join its writer thread (before `Distributed.finish` tears the groups
+        down), then release the store."""
+        while True:
+            try:
+                self.checkpoints.close()
+                return
+            except BackgroundSaveError as exc:
+                if self.commits:
+                    raise
+                self._reported(exc)
 
     # -- rank 0's catalog verbs ------------------------------------------------------------------
 
@@ -250,7 +342,10 @@ class ShardedStore:
         return None
 
     def candidates(self) -> list[CheckpointInfo]:
-        return self.list()
+        """The commits, each marked "memory" when rank 0's ring holds it. Saves still being written are not
+        offered: their health mark is each rank's own, and no rank sees every shard."""
+        ring = self.checkpoints
+        return [replace(i, tiers=("memory", *i.tiers)) if ring.holds(i.id) else i for i in self.list()]
 
     def protect(self, ids: Iterable[str]) -> None:
         self._held |= set(ids)
@@ -259,9 +354,16 @@ class ShardedStore:
         self._held -= set(ids)
 
     def abandon_after(self, which: Which, *, wait: bool = True) -> list[CheckpointInfo]:
-        """Mark every later commit abandoned (rank 0; nothing is in flight); returns them."""
+        """Mark every later commit abandoned (rank 0); returns them. Saves still being written are waited for
+        first (each rank's writer goes on without the training threads), so that none commits after the mark."""
         if not self.commits or self.checkpoints.store is None:
             return []
+        if self.checkpoints.writing():
+            t0 = time.monotonic()
+            self.checkpoints.drain()
+            log.info(
+                "rollback waited %.3f s for the saves in flight, to abandon them too", time.monotonic() - t0
+            )
         target = self._info(which if isinstance(which, str) else which.id)
         gone = [i for i in self.list() if i.seq > target.seq and not i.abandoned]
         for info in gone:
