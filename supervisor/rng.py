@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 
@@ -64,3 +65,32 @@ def restore_rng(rng: dict[str, Any]) -> None:
             )
         for index, state in enumerate(states[:count]):
             torch.cuda.set_rng_state(state.to(dtype=torch.uint8, device="cpu"), index)
+
+
+def rederive(seed: int, step: int, rank: int, world_size: int, stream: str = "rng") -> int:
+    """The seed of rank `rank` of `world_size` for `stream`, re-derived from a run's `seed` and checkpoint `step`.
+
+    Used where a checkpoint's own per-rank streams cannot be given back (a restore at another world size):
+    xxh3 of all five, so it is the same on every restore of one checkpoint and distinct per rank and stream.
+    """
+    for name, value in (("seed", seed), ("step", step), ("rank", rank), ("world_size", world_size)):
+        if type(value) is not int:
+            raise ValueError(f"rederive(): {name}: expected an int, got {value!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rederive(): expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+        )
+    return xxhash.xxh3_64_intdigest(f"{seed}:{step}:{rank}:{world_size}:{stream}".encode())
+
+
+def seed_all(seed: int) -> list[str]:
+    """Seed every stream of this process (Python, NumPy's global generator, torch CPU, every CUDA device) from
+    `seed`; returns the streams seeded."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # NumPy's legacy seed takes 32 bits
+    torch.manual_seed(seed)  # also every CUDA device, lazily
+    streams = ["python", "numpy", "torch"]
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+        streams.append("cuda")
+    return streams

@@ -9,10 +9,12 @@ go in the JSON skeleton; a `DTensor` is one tensor leaf, sharded as it lives.
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import xxhash
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch.distributed.checkpoint.state_dict import (
@@ -26,10 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from supervisor.data import LoaderError, ResumableLoader
 from supervisor.errors import CheckpointError
 from supervisor.flatten import flatten, unflatten
-from supervisor.rng import restore_rng
+from supervisor.rng import rederive, restore_rng, seed_all
 from supervisor.state import TrainingState
+
+log = logging.getLogger("rollback_supervisor.checkpoint")
 
 #: Sharded state dicts (no gather, no CPU offload): each rank sees only its own shards.
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -78,6 +83,14 @@ class ShardedTrainingState:
         purpose, as in `TrainingState.checked`)."""
         buffers = {f"model.{b}" for b in buffer_names(self.model)}
         return lambda name: name not in buffers
+
+    def overlap_parts(self) -> tuple[list[torch.optim.Optimizer], Callable[[str], bool]]:
+        """(the optimizers, which tensors only their step changes): an overlapped snapshot copies those beside
+        the next forward and backward, and the rest (module buffers, which a forward may update) at once."""
+        buffers = {f"model.{b}" for b in buffer_names(self.model)}
+        return list(self.optimizers), lambda name: name.startswith(("model.", "optimizer.")) and (
+            name not in buffers
+        )
 
     def load(self, nested: dict[str, Any]) -> None:
         """Load what a restore rebuilt (tensors already filled in place) back into model and optimizers."""
@@ -161,6 +174,16 @@ class SessionShardedState:
         """Which tensors the health mark covers: all but module buffers (as `TrainingState.checked`)."""
         return self.state.checked()
 
+    def overlap_parts(self) -> tuple[list[torch.optim.Optimizer], Callable[[str], bool]]:
+        """(the registered optimizers, which tensors only their step changes: the sharded model's parameters
+        and the optimizers' state); everything else (module buffers, other parts) is copied at once."""
+        optimizers = self._optimizers()
+        buffers = {f"{self.model_name}.{b}" for b in buffer_names(self.model)}
+        prefixes = tuple(f"{n}." for n in [self.model_name, *optimizers])
+        return [self.state[n] for n in optimizers], lambda name: name.startswith(prefixes) and (
+            name not in buffers
+        )
+
     def load(self, nested: dict[str, Any]) -> None:
         """Load what a restore rebuilt into every part, the counters and the extras."""
         optimizers = self._optimizers()
@@ -180,11 +203,94 @@ class SessionShardedState:
         self.state.extras = dict(nested.get("extras", {}))
 
     def rank_state(self) -> dict[str, Any]:
-        """This rank's RNG streams and its own parts (the data position), as JSON."""
-        return pack_json(self.state.rank_state_dict(self.rank_parts))
+        """This rank's RNG streams, its own parts (the data position) and its samples_seen, as JSON."""
+        own = self.state.rank_state_dict(self.rank_parts)
+        own["counters"] = {
+            "samples_seen": int(self.state.samples_seen)
+        }  # per rank: Session.loop counts its own
+        return pack_json(own)
 
     def load_rank_state(self, saved: Any) -> None:
         own = unpack_json(saved)
         restore_rng(own["rng"])
         for name in self.rank_parts:
             self.state[name].load_state_dict(own[name])
+        if "counters" in own:
+            self.state.samples_seen = int(own["counters"]["samples_seen"])
+
+    def load_rank_states_resharded(
+        self, saved: Sequence[Any], saved_world: int, rank: int, world: int, step: int
+    ) -> None:
+        """At another world size: re-derive this rank's RNG streams and re-split the data position.
+
+        `saved` is every saving rank's `rank_state()` (None where one wrote none). Every stream is seeded from
+        `rederive(seed, step, rank, world)`; the seed is `extras["seed"]` when the run put it there, else the
+        xxh3 of saved rank 0's torch RNG state, so every restore of one checkpoint at one world size draws the
+        same. Each data loader reads its `resplit` share of what the saving ranks had not read this epoch.
+        """
+        owns = []
+        for old_rank, packed in enumerate(saved):
+            if packed is None:
+                raise CheckpointError(
+                    f"the checkpoint holds no rank state for saving rank {old_rank} of {saved_world}, so its data "
+                    "position cannot be re-split; restore it at the world size that saved it"
+                )
+            owns.append(unpack_json(packed))
+        seed, seed_from = self._run_seed(owns)
+        streams = seed_all(rederive(seed, step, rank, world))
+        shares: list[str] = []
+        for name in self.rank_parts:
+            part = self.state[name]
+            if not isinstance(part, ResumableLoader):
+                raise LoaderError(
+                    f"data part {name!r} ({type(part).__qualname__}): the checkpoint was saved by {saved_world} "
+                    f"ranks and is restored on {world}, and only a supervisor.data.ResumableLoader can re-split "
+                    "its position to another world size; build it as ResumableLoader(dataset, ..., rank=, "
+                    "world_size=), or restore at the world size that saved it"
+                )
+            share, unseen = part.resume_resplit(
+                [own[name] for own in owns], saved_world, rederive(seed, step, rank, world, "data")
+            )
+            shares.append(
+                f"data part {name!r}: the {unseen} samples of the epoch not yet read are shared out, "
+                f"{unseen // world} per rank"
+                + (f" and one more to each of the first {unseen % world} ranks" if unseen % world else "")
+            )
+        self.state.samples_seen = _split_count(
+            [int(own.get("counters", {}).get("samples_seen", -1)) for own in owns],
+            self.state.samples_seen,
+            rank,
+            world,
+        )
+        if rank == 0:
+            log.warning(
+                "Checkpoint of step %d was saved by %d ranks and is restored on %d: each rank's RNG streams (%s) "
+                "are re-derived from seed %d (%s), the step, its rank and the world size; %s (the left-over ones "
+                "go to the first ranks, whose last batch of the epoch is then short, rather than being dropped or "
+                "carried into the next epoch: so no sample of the epoch is skipped or read twice and later "
+                "epochs are untouched); from the next epoch each rank reads its own shard at world size %d; "
+                "samples_seen is split so that its sum over the ranks is unchanged",
+                step,
+                saved_world,
+                world,
+                ", ".join(streams),
+                seed,
+                seed_from,
+                "; ".join(shares) or "no data loader registered",
+                world,
+            )
+
+    def _run_seed(self, owns: Sequence[dict[str, Any]]) -> tuple[int, str]:
+        """(the run's seed, where it came from): extras["seed"], else the xxh3 of saved rank 0's torch RNG."""
+        seed = self.state.extras.get("seed")
+        if type(seed) is int:
+            return seed, 'extras["seed"]'
+        raw = owns[0]["rng"]["torch"].to(dtype=torch.uint8).numpy().tobytes()
+        return xxhash.xxh3_64_intdigest(raw), "no extras['seed']: the xxh3 of saved rank 0's torch RNG state"
+
+
+def _split_count(saved: Sequence[int], fallback: int, rank: int, world: int) -> int:
+    """This rank's share of the saving ranks' total (their per-rank counts; -1 where a checkpoint predates
+    them, which counts as `fallback`, the global counter): the shares sum to the total."""
+    total = sum(fallback if n < 0 else n for n in saved)
+    return total // world + (1 if rank < total % world else 0)
