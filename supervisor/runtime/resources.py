@@ -126,9 +126,10 @@ class SegmentResources:
             metrics.close()
             if not self._plan.supervised:
                 sink, run_id = metrics.connection(timeout=0)
-                if sink is not None and run_id is not None:
+                client = getattr(sink, "client", None)  # a spool has none: whoever ships it ends the run
+                if client is not None and run_id is not None:
                     status = "FINISHED" if exit_code == exitcodes.EXIT_OK else "FAILED"
-                    sink.client.set_terminated(run_id, status=status)
+                    client.set_terminated(run_id, status=status)
             if self._dist is not None and exit_code != exitcodes.EXIT_FAILED:
                 # Every rank got here through the same agreed stop; a failed rank's peers may be stuck in a
                 # collective instead, and torchrun tears them down.
