@@ -57,6 +57,11 @@ def test_async_saves_while_training_restore_bit_exactly_from_disk_and_memory_in_
             "fallback_first": True,
             "disk_last": True,
         }
+        # An overlapped save: the copy ran beside the next forward and backward, the optimizer's step waited
+        # for it, and the ring and the disk hold the state of the save, not the one after the step.
+        overlap = report["overlap"]
+        assert overlap["pending_after_save"] and overlap["waited_s"] > 0.1 and overlap["live_moved"]
+        assert overlap["memory"] is True and overlap["disk"] is True
         timing = report["timing"]
         assert timing["async"] < timing["sync"], timing
     for rank in (0, 1):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from supervisor.checkpoint.fastcopy import copy_tensors, nonfinite_in
+from supervisor.checkpoint.overlap import OverlappedCopy
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Snapshot:
     """Which tensors nonfinite() looks at."""
     layouts: dict[str, ShardLayout] = field(default_factory=dict, repr=False, compare=False)
     """The captured DTensors' layouts, by name; `tensors` holds their local shards."""
+    ready: Callable[[], Any] = field(default=lambda: None, repr=False, compare=False)
+    """Blocks until the copies are complete (a capture overlapped with the next step returns before)."""
     _nonfinite: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -51,6 +54,7 @@ class Snapshot:
         in-process rollback deciding while the write waits). Call it only while the snapshot is held (busy
         or kept in the ring): a released slot's buffers are reused.
         """
+        self.ready()
         with self._lock:
             if self._nonfinite is None:
                 bad = nonfinite_in(((n, t) for n, t in self.tensors.items() if self.checked(n)), threads=1)
@@ -62,6 +66,7 @@ class Snapshot:
         collective: `run_check=False`, the global shape and stride kept), plain tensors as they are."""
         from torch.distributed.tensor import DTensor
 
+        self.ready()
         out: dict[str, Any] = {}
         for name, buf in self.tensors.items():
             lay = self.layouts.get(name)
@@ -105,12 +110,17 @@ class SnapshotRing:
         live: Mapping[str, torch.Tensor],
         meta: dict[str, Any],
         checked: Callable[[str], bool] | None = None,
+        *,
+        copier: OverlappedCopy | None = None,
+        late: Callable[[str], bool] | None = None,
     ) -> Snapshot:
         """Copy `live` tensors into the oldest free slot (waits for one) and mark it busy until release().
 
         A DTensor's local shard is copied (`to_local()`), and its layout kept for `Snapshot.staged()`.
 
         `checked` selects the tensors whose finiteness `Snapshot.nonfinite()` reports (all by default).
+        With a `copier`, the tensors `late` names (those only an optimizer step changes) are copied by it in
+        the background, the others before this returns; the snapshot's `ready()` waits for the copy.
         """
         with self._cond:
             self._cond.wait_for(lambda: any(not s.busy for s in self._slots))
@@ -120,7 +130,13 @@ class SnapshotRing:
             slot.order = self._counter
         try:
             local, layouts = local_shards(live)
-            tensors = copy_into(slot.buffers, local)
+            if copier is None or late is None:
+                tensors = copy_into(slot.buffers, local)
+                ready: Callable[[], Any] = lambda: None  # noqa: E731
+            else:
+                pairs = buffers_for(slot.buffers, local)
+                copier.start([pairs[n] for n in pairs if late(n)], [pairs[n] for n in pairs if not late(n)])
+                tensors, ready = dict(slot.buffers), copier.wait
         except BaseException:
             self._free(slot)
             raise
@@ -132,6 +148,7 @@ class SnapshotRing:
             meta,
             checked or (lambda name: True),
             layouts=layouts,
+            ready=ready,
         )
         with self._cond:
             slot.snapshot = snap
@@ -182,16 +199,23 @@ def local_shards(live: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     return local, layouts
 
 
-def copy_into(buffers: dict[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy each live tensor into `buffers` (reused when shape and dtype match) and return the copies."""
+def buffers_for(
+    buffers: dict[str, torch.Tensor], live: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{name: (buffer, live tensor)}: `buffers` made to fit `live` (reused when shape and dtype match)."""
     for name in [n for n in buffers if n not in live]:
         del buffers[name]
-    pairs = []
+    pairs = {}
     for name, src in live.items():
         buf = buffers.get(name)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
             buffers[name] = buf
-        pairs.append((buf, src))
-    copy_tensors(pairs)
+        pairs[name] = (buf, src)
+    return pairs
+
+
+def copy_into(buffers: dict[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy each live tensor into `buffers` (reused when shape and dtype match) and return the copies."""
+    copy_tensors(buffers_for(buffers, live).values())
     return dict(buffers)

@@ -43,6 +43,7 @@ class OverlappedCopy:
         self._event: Any = None
         self._error: BaseException | None = None
         self._hooks: list[Any] = []
+        self._lock = threading.Lock()  # wait() is called by the training thread and by a writer thread
         self.waited_s = 0.0
         """Seconds the training thread has spent in wait() so far (what the overlap failed to hide)."""
 
@@ -86,17 +87,18 @@ class OverlappedCopy:
     def wait(self) -> float:
         """Block until the copy in flight is done; returns the seconds waited. A failed copy raises here."""
         t0 = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        waited = time.perf_counter() - t0
-        self.waited_s += waited
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"the overlapped snapshot copy failed: {type(error).__name__}: {error}")
+        with self._lock:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            if self._event is not None:
+                self._event.synchronize()
+                self._event = None
+            waited = time.perf_counter() - t0
+            self.waited_s += waited
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise CheckpointError(f"the overlapped snapshot copy failed: {type(error).__name__}: {error}")
         return waited
 
     def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:

@@ -43,6 +43,7 @@ from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import Manifest, library_versions
 from supervisor.checkpoint.memory import Snapshot, SnapshotRing, local_shards
 from supervisor.checkpoint.options import MEMORY_SLOTS, make_id, parse_id
+from supervisor.checkpoint.overlap import OverlappedCopy
 from supervisor.checkpoint.retention import RetentionPolicy
 from supervisor.checkpoint.writer import CheckpointMeta
 from supervisor.errors import (
@@ -196,6 +197,7 @@ class ShardedCheckpoints:
         control_group: Any = None,
         memory_slots: int = MEMORY_SLOTS,
         max_in_flight: int = 1,
+        overlap: bool | OverlappedCopy = False,
     ):
         check_verify(verify)  # before any collective: every rank passes the same value, so all raise alike
         self.root = os.path.abspath(os.fspath(directory))
@@ -214,6 +216,12 @@ class ShardedCheckpoints:
             raise CheckpointError(f"max_in_flight: expected an integer >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         self.ring = SnapshotRing(max(memory_slots, max_in_flight))
+        #: With `overlap`, an async save copies what only an optimizer step changes (parameters, optimizer
+        #: state) beside the next forward and backward; the optimizers' step waits for the copy.
+        self._copier = (
+            overlap if isinstance(overlap, OverlappedCopy) else OverlappedCopy(threads=1) if overlap else None
+        )
+        self._guarded: set[int] = set()
         self._writer = AsyncWriter(
             f"ckpt-shards-r{self.rank}", BackgroundErrors(), max_in_flight=max_in_flight
         )
@@ -288,7 +296,16 @@ class ShardedCheckpoints:
             if blocking:
                 return self._write(cid, step, flat, rank_raw, job, t0)
             self._writer.prune()
-            snap = self.ring.capture(cid, skeleton_raw, flat, {"step": step, "rank_raw": rank_raw}, checked)
+            copier, late = self._overlap(state)
+            snap = self.ring.capture(
+                cid,
+                skeleton_raw,
+                flat,
+                {"step": step, "rank_raw": rank_raw},
+                checked,
+                copier=copier,
+                late=late,
+            )
         except BaseException:
             if not blocking:
                 self._writer.unreserve()
@@ -389,6 +406,22 @@ class ShardedCheckpoints:
         """Whether a save on this rank is still being written (each rank has its own writer)."""
         return any(not f.done() for f in self._writer.futures())
 
+    def _overlap(self, state: ShardedState) -> tuple[OverlappedCopy | None, Callable[[str], bool] | None]:
+        """The copier and the late-copy names for this save, or (None, None) when it is not overlapped (no
+        `overlap`, or a state that cannot name its optimizers and what only their step changes)."""
+        parts = getattr(state, "overlap_parts", None)
+        if self._copier is None or not callable(parts):
+            return None, None
+        optimizers, late = parts()
+        fresh = [o for o in optimizers if id(o) not in self._guarded]
+        self._copier.guard(fresh)  # each optimizer's step waits for the copy in flight
+        self._guarded.update(id(o) for o in fresh)
+        return self._copier, late
+
+    def wait_capture(self) -> float:
+        """Block until this rank's overlapped snapshot copy is done; the seconds waited (0 when none is)."""
+        return self._copier.wait() if self._copier is not None else 0.0
+
     def drain(self) -> None:
         """Block until no save of this rank is pending, raising nothing (failures wait for `wait()`/`save()`)."""
         self._writer.drain()
@@ -440,6 +473,10 @@ class ShardedCheckpoints:
         specific id raises CheckpointCorrupt instead.
         """
         self._writer.drain()  # DCP's collectives need the group: the writer's pending saves first
+        try:  # the live tensors are about to change: an overlapped copy still reading them must be done
+            self.wait_capture()
+        except CheckpointError as exc:  # that save is lost (its write reports it); the restore goes on
+            log.warning("Restoring over a failed snapshot copy on rank %d: %s", self.rank, exc)
         skipped: list[str] = []
         while True:
             manifest = self._agree_on(which, skipped)
@@ -569,6 +606,7 @@ class ShardedCheckpoints:
         t0 = time.monotonic()
         _, live = state.snapshot()
         local, _ = local_shards(live)
+        self.wait_capture()  # the live tensors are about to change: the copy reading them must be done
         snap = self._held(which)
         problem = None if snap is not None else f"not in rank {self.rank}'s memory ring"
         if snap is not None:
@@ -591,6 +629,7 @@ class ShardedCheckpoints:
             log.info("Restoring %s from disk, not memory (%s)", which, reasons)
             return self.restore(state, which)
         assert snap is not None
+        snap.ready()
         copy_tensors([(local[name], snap.tensors[name]) for name in local])
         state.load(unflatten(json.loads(snap.skeleton), dict(live)))
         state.load_rank_state(json.loads(snap.meta["rank_raw"]))
@@ -627,6 +666,8 @@ class ShardedCheckpoints:
         try:
             self._writer.close()
         finally:
+            if self._copier is not None:
+                self._copier.close()
             if self.store is not None:
                 self.store.close()
                 self.store = None

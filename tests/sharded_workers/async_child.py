@@ -20,6 +20,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 from supervisor.checkpoint.memory import local_shards
+from supervisor.checkpoint.overlap import OverlappedCopy
 from supervisor.checkpoint.sharded import ShardedCheckpoints, checkpoint_group
 from supervisor.sharded_state import ShardedTrainingState, flatten_sharded
 
@@ -117,9 +119,43 @@ def save_mode(out: str, store: str) -> None:
                 got == which and same(local(probe), tensors) and torch.equal(torch.get_rng_state(), rng)
             )
         report["restored"] = results
+    report["overlap"] = overlap_mode(store + "-overlap", group, control)
     report["timing"] = timing(store + "-timing", group, control)
     with open(os.path.join(out, f"save.rank{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def overlap_mode(store: str, group: Any, control: Any) -> dict[str, Any]:
+    """An overlapped async save: the copy of parameters and optimizer state is held back until the next
+    forward and backward have run and the optimizer's step has begun (which must wait for it); what the ring
+    and the disk then hold equals the state cloned at the save, bit for bit."""
+    model, opt = build(3)
+    state = ShardedTrainingState(model, opt)
+    gen = torch.Generator().manual_seed(300 + dist.get_rank())
+    train_step(model, opt, torch.randint(0, 11, (4, 3), generator=gen))
+    release = threading.Event()
+    copier = OverlappedCopy(on_chunk=lambda chunk: release.wait(30))
+    out: dict[str, Any] = {}
+    with ShardedCheckpoints(store, process_group=group, control_group=control, overlap=copier) as ckpts:
+        ref = (local(state), torch.get_rng_state())
+        cid = ckpts.save(1, state, {"loss": 1.0}, blocking=False)
+        out["pending_after_save"] = copier.pending
+        timer = threading.Timer(0.3, release.set)
+        timer.start()
+        train_step(model, opt, torch.randint(0, 11, (4, 3), generator=gen))  # its step waits for the copy
+        out["waited_s"] = copier.waited_s
+        out["live_moved"] = not same(local(state), ref[0])
+        ckpts.wait()
+        probe_model, probe_opt = build(4)
+        probe = ShardedTrainingState(probe_model, probe_opt)
+        train_step(probe_model, probe_opt, torch.randint(0, 11, (4, 3), generator=gen))
+        for how in ("memory", "disk"):
+            torch.manual_seed(999)
+            got = ckpts.restore_memory(probe, cid) if how == "memory" else ckpts.restore(probe, cid)
+            out[how] = (
+                got == cid and same(local(probe), ref[0]) and torch.equal(torch.get_rng_state(), ref[1])
+            )
+    return out
 
 
 def timing(store: str, group: Any, control: Any) -> dict[str, float]:
