@@ -210,13 +210,77 @@ class KubernetesSpec(Spec):
         return self
 
 
+class TorchrunSpec(Spec):
+    """Each segment under torchrun, on this machine or on several nodes (one torchrun agent per node).
+
+    The supervisor's node hosts the rendezvous; every other node's agent is run by a follower
+    (`rollback-supervisor follow`), see docs/design/multinode.md.
+    """
+
+    nodes: int = Field(
+        1, ge=1, description="Nodes, each with its own torchrun agent; above 1 the lineage spans nodes."
+    )
+    nproc_per_node: int = Field(1, ge=1, description="Processes (ranks) per node: `--nproc-per-node`.")
+    rdzv_endpoint: str | None = Field(
+        None,
+        min_length=3,
+        description="host:port of the c10d rendezvous on the supervisor's node, reachable from every node "
+        "(required for several nodes); null on one node: a free local port.",
+    )
+    followers: Literal["local", "external"] = Field(
+        "local",
+        description="`local`: the supervisor starts each follower as a local process (several nodes simulated "
+        "on one machine); `external`: they are started on their nodes by something else (srun, an Indexed "
+        "Job) with the command the supervisor logs.",
+    )
+    channel_dir: str | None = Field(
+        None,
+        min_length=1,
+        description="Where the supervisor and its followers exchange orders and beats, on storage every node "
+        "shares; null: `multinode/` in the supervisor's work directory.",
+    )
+    node_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A follower silent this long is a lost node; followers wait as long for a silent "
+        "supervisor before they kill their agent.",
+    )
+    peer_exit_grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="After one node failed, how long the others get to end on their own before they are killed.",
+    )
+    rdzv_join_timeout_seconds: int = Field(
+        600, ge=1, description="torchrun's `join_timeout`: how long the agents wait for every node to join."
+    )
+
+    @model_validator(mode="after")
+    def _endpoint_for_nodes(self) -> TorchrunSpec:
+        if self.nodes > 1 and self.rdzv_endpoint is None:
+            raise problem(
+                "rdzv_endpoint", f"host:port reachable from every node (nodes is {self.nodes})", None
+            )
+        if self.rdzv_endpoint is not None:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+                raise problem("rdzv_endpoint", "host:port, e.g. 10.0.0.1:29400", self.rdzv_endpoint)
+            if self.nodes > 1 and int(port) == 0:
+                raise problem("rdzv_endpoint", "a fixed port (0 works on one node only)", self.rdzv_endpoint)
+        return self
+
+
 class LauncherConfig(Spec):
     """What starts each training segment."""
 
-    type: Literal["local", "slurm", "kubernetes"] = Field(
+    type: Literal["local", "torchrun", "slurm", "kubernetes"] = Field(
         "local",
-        description="`local`: a process group on this machine; `slurm`: a SLURM batch job; `kubernetes`: a "
-        "Kubernetes Job.",
+        description="`local`: a process group on this machine; `torchrun`: the command under torchrun, on "
+        "one node or several; `slurm`: a SLURM batch job; `kubernetes`: a Kubernetes Job.",
+    )
+    torchrun: TorchrunSpec = Field(
+        default_factory=TorchrunSpec, description="torchrun's nodes and ranks, for type `torchrun`."
     )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="The SLURM job, for type `slurm`.")
     kubernetes: KubernetesSpec = Field(
@@ -227,6 +291,8 @@ class LauncherConfig(Spec):
     def _slurm_only_for_slurm(self) -> LauncherConfig:
         if self.type != "slurm" and "slurm" in self.model_fields_set:
             raise problem("type", "slurm (a `slurm:` section is given)", self.type)
+        if self.type != "torchrun" and "torchrun" in self.model_fields_set:
+            raise problem("type", "torchrun (a `torchrun:` section is given)", self.type)
         if self.type != "kubernetes" and "kubernetes" in self.model_fields_set:
             raise problem("type", "kubernetes (a `kubernetes:` section is given)", self.type)
         if self.type == "kubernetes" and self.kubernetes.image is None:

@@ -73,6 +73,7 @@ app.add_typer(bench_app, name="bench")
 _command("run", "supervisor.commands.run")
 _command("status", "supervisor.commands.status")
 _command("drill", "supervisor.drill")
+_command("follow", "supervisor.commands.follow")
 _mount(app, "notify", "flows.notify")
 
 

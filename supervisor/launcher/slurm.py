@@ -352,6 +352,10 @@ def launcher_from_policy(config: LauncherConfig, workdir: Path) -> Launcher | No
     """The launcher the policy's `launcher:` section asks for; None for the local default."""
     if config.type == "slurm":
         return SlurmLauncher(slurm_options(config.slurm, workdir))
+    if config.type == "torchrun":
+        from supervisor.launcher.multinode import torchrun_launcher
+
+        return torchrun_launcher(config.torchrun, workdir)
     if config.type == "kubernetes":  # imported here: the kubernetes client is an optional extra
         from supervisor.launcher.kubernetes import kubernetes_launcher
 

@@ -100,6 +100,35 @@ PATTERNS: tuple[dict, ...] = (
         "priority": 40,
         "pattern": r"exitcode\s*:\s*75\b",
     },
+    # torchrun's elastic errors across nodes. A rendezvous that timed out means a node never joined, and a
+    # lost connection to the c10d store means the node hosting it vanished: the infrastructure, not the code.
+    {
+        "name": "torchrun_rendezvous_timeout",
+        "type": "hardware_fault",
+        "priority": 50,
+        "pattern": r"\bRendezvousTimeoutError\b",
+    },
+    {
+        "name": "torchrun_store_lost",
+        "type": "hardware_fault",
+        "priority": 50,
+        "pattern": r"\bRendezvousConnectionError\b|connection to the C10d store has failed",
+    },
+    # A rendezvous another agent closed, a peer rank whose sockets closed (gloo), a checkpoint group's lost
+    # rank: this process is a casualty; the failed peer's own exit says why. Above the traceback they print.
+    {
+        "name": "torchrun_rendezvous_closed",
+        "type": "unknown_exit",
+        "priority": 25,
+        "pattern": r"\bRendezvousClosedError\b",
+    },
+    {
+        "name": "peer_rank_lost",
+        "type": "unknown_exit",
+        "priority": 15,
+        "pattern": r"Connection reset by peer|Connection closed by peer|\bRankLost\b"
+        r"|Timed out waiting \d+ms for (?:recv|send) operation",
+    },
     # A SIGKILLed child makes torchrun print a traceback; that traceback is not the user's bug.
     {
         "name": "torchrun_child_sigkill",

@@ -199,9 +199,10 @@ class LineageRunner:
         return self.layout.local / "metrics"
 
     def close(self) -> None:
-        """Kill the parked standby, stop renewing the lease and release it."""
-        if isinstance(self.options.launcher, StandbyLauncher):
-            self.options.launcher.close()
+        """Close the launcher (a parked standby, multi-node followers), stop renewing the lease, release it."""
+        close = getattr(self.options.launcher, "close", None)  # a standby's process, multi-node followers
+        if callable(close):
+            close()
         self.book.close()
 
     def _save(self) -> None:
