@@ -42,6 +42,11 @@ RELAUNCH_PHASES = {
     "built": "model_built_s",
 }
 #: dcp.async_save's ways to stage, as the JSON names them (the faster one is the baseline).
+#: Our save's ways, as the JSON names them; blocking_save_s is the faster, which is named in the JSON.
+OURS_VARIANTS = {
+    "copy": "blocking_save_copy_s",
+    "overlap": "blocking_save_overlap_s",
+}
 ASYNC_VARIANTS = {
     "writer_stager": "dcp_async_save_writer_stager_s",
     "default_stager": "dcp_async_save_default_stager_s",
@@ -111,8 +116,13 @@ def combine(ranks: list[dict[str, Any]], relaunch: list[float]) -> dict[str, Any
     variants = {name: statistics.median(reps[key]) for name, key in ASYNC_VARIANTS.items()}
     best = min(variants, key=variants.__getitem__)
     reps["dcp_async_save_blocking_s"] = reps[ASYNC_VARIANTS[best]]
+    ours = {name: statistics.median(reps[key]) for name, key in OURS_VARIANTS.items() if key in reps}
+    if ours:  # an async save: the blocking time of the faster way (a synchronous one times blocking_save_s)
+        mine = min(ours, key=ours.__getitem__)
+        reps["blocking_save_s"] = reps[OURS_VARIANTS[mine]]
     out: dict[str, Any] = {key: statistics.median(values) for key, values in sorted(reps.items())}
     out["dcp_async_save_variant"] = best
+    out["blocking_save_variant"] = mine if ours else "sync"
     out["reps_s"] = reps
     out["per_rank"] = [
         {
@@ -185,7 +195,8 @@ def run(
         reps=reps,
         device=ranks[0]["device"] if device == "cpu" else _gpu_name(),
         paths_measured={
-            "blocking_save_s": "save(blocking=False): returns after the host copy"
+            "blocking_save_s": f"the faster of our async save's ways {sorted(OURS_VARIANTS)}: "
+            f"{out['blocking_save_variant']}"
             if ranks[0]["paths"]["async_save"]
             else "synchronous save (this ShardedCheckpoints has no blocking=False): blocked until committed",
             "in_process_rollback_s": f"restore_memory (host ring); {from_disk} of {reps} went to disk instead"
@@ -196,7 +207,11 @@ def run(
         },
         definitions={
             "times": "per rep, the slowest rank (every rank starts after a barrier); medians of reps",
-            "blocking_save_s": "training thread blocked by our save (the host copy for an async save)",
+            "blocking_save_s": "training thread blocked by our save: the faster of the two ways below",
+            "blocking_save_copy_s": "save(blocking=False): returns after the copy into the host ring",
+            "blocking_save_overlap_s": "save(blocking=False, overlap=True): until it returns (buffers copied), "
+            "plus the wait for the copy of parameters and optimizer state after the next forward and backward "
+            "(the optimizer's step waits for it): charged as dcp_async_save_default_stager_s is",
             "save_total_s": "from our save call until every rank's files are committed (an async save "
             "writes beside the next forward and backward, timed as ours_overlapped_fwd_bwd_s)",
             "ours_overlapped_fwd_bwd_s": "a forward and backward run while our save writes in the background "

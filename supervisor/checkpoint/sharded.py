@@ -262,6 +262,7 @@ class ShardedCheckpoints:
         *,
         before_commit: Callable[[], Any] | None = None,
         blocking: bool = True,
+        overlap: bool | None = None,
     ) -> str | None:
         """Save checkpoint `step` from every rank; returns its id.
 
@@ -269,6 +270,8 @@ class ShardedCheckpoints:
         alike); CheckpointError on any failure, on every rank together (nothing committed); RankLost when a
         peer is gone. `blocking=False`: returns once this rank's shards are copied into its ring; the write
         follows on the writer thread, after the saves before it (see the class for how failures come back).
+        `overlap` (None: as the instance was built) copies the parameters and optimizer state beside the next
+        forward and backward instead, the optimizers' next step waiting for the copy (`OverlappedCopy`).
         `before_commit` runs on rank 0 once every rank's files are durable, before the marker (a raise there
         commits nothing). A state with `checked()` names the tensors whose non-finite values mark the
         checkpoint unhealthy (module buffers are left out).
@@ -296,7 +299,7 @@ class ShardedCheckpoints:
             if blocking:
                 return self._write(cid, step, flat, rank_raw, job, t0)
             self._writer.prune()
-            copier, late = self._overlap(state)
+            copier, late = self._overlap(state, overlap)
             snap = self.ring.capture(
                 cid,
                 skeleton_raw,
@@ -406,12 +409,18 @@ class ShardedCheckpoints:
         """Whether a save on this rank is still being written (each rank has its own writer)."""
         return any(not f.done() for f in self._writer.futures())
 
-    def _overlap(self, state: ShardedState) -> tuple[OverlappedCopy | None, Callable[[str], bool] | None]:
+    def _overlap(
+        self, state: ShardedState, overlap: bool | None = None
+    ) -> tuple[OverlappedCopy | None, Callable[[str], bool] | None]:
         """The copier and the late-copy names for this save, or (None, None) when it is not overlapped (no
         `overlap`, or a state that cannot name its optimizers and what only their step changes)."""
         parts = getattr(state, "overlap_parts", None)
-        if self._copier is None or not callable(parts):
+        if overlap is None:
+            overlap = self._copier is not None
+        if not overlap or not callable(parts):
             return None, None
+        if self._copier is None:
+            self._copier = OverlappedCopy(threads=1)
         optimizers, late = parts()
         fresh = [o for o in optimizers if id(o) not in self._guarded]
         self._copier.guard(fresh)  # each optimizer's step waits for the copy in flight
