@@ -222,6 +222,7 @@ class ShardedCheckpoints:
             overlap if isinstance(overlap, OverlappedCopy) else OverlappedCopy(threads=1) if overlap else None
         )
         self._guarded: set[int] = set()
+        self._overlap_default = bool(overlap)  # what save(overlap=None) does, whatever a save asked before
         self._writer = AsyncWriter(
             f"ckpt-shards-r{self.rank}", BackgroundErrors(), max_in_flight=max_in_flight
         )
@@ -416,7 +417,7 @@ class ShardedCheckpoints:
         `overlap`, or a state that cannot name its optimizers and what only their step changes)."""
         parts = getattr(state, "overlap_parts", None)
         if overlap is None:
-            overlap = self._copier is not None
+            overlap = self._overlap_default
         if not overlap or not callable(parts):
             return None, None
         if self._copier is None:
