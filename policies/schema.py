@@ -60,6 +60,13 @@ class CheckpointConfig(Spec):
         True, alias="async", description="Write checkpoints in the background while training continues."
     )
     memory_slots: int = Field(MEMORY_SLOTS, ge=1, description=MEMORY_SLOTS_DOC)
+    overlap: bool = Field(
+        False,
+        description="With async: copy parameters and optimizer state into host memory beside the next forward "
+        "and backward, the optimizer's next step waiting for the copy, instead of before training goes on. "
+        "Only for models whose parameters change in the optimizer's step alone (module buffers are copied at "
+        "once).",
+    )
     storage: str = Field(
         "./checkpoints", min_length=1, description="Local directory or fsspec URL of the store."
     )

@@ -117,6 +117,19 @@ class TrainingState:
                 buffers |= {child_path(name, b) for b, _ in part.named_buffers(remove_duplicate=False)}
         return lambda tensor: tensor not in buffers
 
+    def overlap_parts(self) -> tuple[list[torch.optim.Optimizer], Callable[[str], bool]]:
+        """(the registered optimizers, which tensors only their step changes): the modules' parameters and the
+        optimizers' state. An overlapped snapshot copies those beside the next forward and backward; module
+        buffers (a forward may update them) and everything else are copied before save() returns."""
+        optimizers = [p for p in self._parts.values() if isinstance(p, torch.optim.Optimizer)]
+        owners = [n for n, p in self._parts.items() if isinstance(p, torch.nn.Module | torch.optim.Optimizer)]
+        prefixes = tuple(f"{n}." for n in owners)
+        buffers = set()
+        for name, part in self._parts.items():
+            if isinstance(part, torch.nn.Module):
+                buffers |= {child_path(name, b) for b, _ in part.named_buffers(remove_duplicate=False)}
+        return optimizers, lambda tensor: tensor.startswith(prefixes) and tensor not in buffers
+
     def load(self, nested: dict[str, Any], prefixes: Iterable[str] | None = None) -> None:
         """`load_state_dict` under the CheckpointableState name."""
         self.load_state_dict(nested, prefixes=prefixes)

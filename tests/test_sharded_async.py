@@ -62,6 +62,12 @@ def test_async_saves_while_training_restore_bit_exactly_from_disk_and_memory_in_
         overlap = report["overlap"]
         assert overlap["pending_after_save"] and overlap["waited_s"] > 0.1 and overlap["live_moved"]
         assert overlap["memory"] is True and overlap["disk"] is True
+        # A capture that failed on rank 1 alone: the save failed on both ranks (a BackgroundSaveError at the
+        # next wait; the blocking save raised on both), and the next save committed in step and restores exactly.
+        failed = report["capture_failure"]
+        assert failed["async_error"] == "BackgroundSaveError"
+        assert failed["blocking_error"] == ("MemoryError" if report["rank"] == 1 else "CheckpointError")
+        assert failed["committed"] == [failed["last"]] and failed["restored"] is True
         timing = report["timing"]
         assert timing["async"] < timing["sync"], timing
     for rank in (0, 1):

@@ -113,8 +113,15 @@ class ShardWriter(StorageWriter):
         rank_raw: bytes,
         job: CommitJob | Callable[[], CommitJob] | None = None,
         phase_hook: Callable[[str, int], None] | None = None,
+        *,
+        failure: BaseException | None = None,
+        expect_id: str | None = None,
     ):
+        """`failure`: this rank could not prepare its share (the capture failed); its local plan raises it, so
+        every rank fails this save together instead of the others waiting for a rank that never joins.
+        `expect_id`: the id this rank gave the save; a plan for another id (ranks out of step) is refused."""
         super().__init__()
+        self.failure, self.expect_id = failure, expect_id
         self.root = root
         self.rank_raw = rank_raw
         # A function is called in prepare_global_plan: DCP sends a raise there to every rank at once.
@@ -141,6 +148,10 @@ class ShardWriter(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.failure is not None:
+            raise CheckpointError(
+                f"this rank's share could not be prepared: {type(self.failure).__name__}: {self.failure}"
+            )
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 raise CheckpointError(
@@ -178,6 +189,11 @@ class ShardWriter(StorageWriter):
         self._phase("write_start")
         sd = plan.storage_data
         cid, rank = sd["id"], sd["rank"]
+        if self.expect_id is not None and cid != self.expect_id:
+            raise CheckpointError(
+                f"ranks out of step: rank 0 commits {cid}, this rank's save is {self.expect_id}; nothing of it "
+                "is written"
+            )
         staged = os.path.join(self.root, sd["staged"])
         self.saved_id = cid
         tensors: dict[str, torch.Tensor] = {}

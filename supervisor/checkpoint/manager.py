@@ -17,6 +17,7 @@ from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import CKPT_PREFIX, config_hash, git_commit, library_versions
 from supervisor.checkpoint.memory import Snapshot, SnapshotRing
 from supervisor.checkpoint.options import CheckpointInfo, CheckpointOptions, parse_id
+from supervisor.checkpoint.overlap import OverlappedCopy
 from supervisor.checkpoint.pipeline import WritePipeline
 from supervisor.checkpoint.remote import RemoteTier
 from supervisor.checkpoint.restorer import Restorer, Which, snapshot_info
@@ -90,6 +91,9 @@ class CheckpointManager:
         self._branch = Branch(clock, provenance, seqs)
         if options.async_save:
             self._writer = AsyncWriter("ckpt-writer", self._errors, max_in_flight=options.max_in_flight)
+        #: With `overlap`, the copy of what only an optimizer step changes runs beside the next step.
+        self._copier = OverlappedCopy(threads=1) if options.overlap and options.async_save else None
+        self._guarded: set[int] = set()
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(
@@ -130,7 +134,10 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.reserve()
             try:
-                snap = ring.capture(meta.id, skeleton, live, {"info": info}, checked)
+                copier, late = self._overlap()
+                snap = ring.capture(
+                    meta.id, skeleton, live, {"info": info}, checked, copier=copier, late=late
+                )
             except BaseException:
                 self._writer.unreserve()
                 raise
@@ -156,6 +163,25 @@ class CheckpointManager:
         self._branch.moved_to(info)
         log.info("Saved checkpoint %s: training blocked %.3fs", meta.id, time.monotonic() - started)
         return info
+
+    def _overlap(self) -> tuple[OverlappedCopy | None, Callable[[str], bool] | None]:
+        """The copier and the names it may copy late, or (None, None) when saves are not overlapped."""
+        parts = getattr(self.state, "overlap_parts", None)
+        if self._copier is None or not callable(parts):
+            return None, None
+        optimizers, late = parts()
+        fresh = [o for o in optimizers if id(o) not in self._guarded]
+        self._copier.guard(fresh)  # each optimizer's step waits for the copy in flight
+        self._guarded.update(id(o) for o in fresh)
+        return self._copier, late
+
+    def wait_capture(self) -> float:
+        """Block until an overlapped snapshot copy is done; the seconds waited (0 when none is in flight)."""
+        return self._copier.wait() if self._copier is not None else 0.0
+
+    def _before_restore(self) -> None:
+        """The live tensors are about to change: a copy still reading them must be done first."""
+        self.wait_capture()
 
     def writing(self) -> bool:
         """Whether save() would now block on earlier background writes (`max_in_flight` of them pending)."""
@@ -222,6 +248,8 @@ class CheckpointManager:
         self._errors.raise_first()
 
     def _release(self) -> None:
+        if getattr(self, "_copier", None) is not None:
+            self._copier.close()
         if self._writer is not None:
             self._writer.close()
         if self._uploader is not None:
@@ -275,6 +303,7 @@ class CheckpointManager:
         info raises CheckpointCorrupt or CheckpointNotFound instead.
         """
         self.wait()
+        self._before_restore()
         info = self._restorer.restore(self.state, which, None if prefixes is None else list(prefixes), tier)
         self._branch.moved_to(info)
         return info
@@ -287,6 +316,7 @@ class CheckpointManager:
         `wait=False` does not wait for writes in flight: their snapshots are restorable already.
         """
         self._settle(wait)
+        self._before_restore()
         info = self._restorer.restore_memory(self.state, which, None if prefixes is None else list(prefixes))
         self._branch.moved_to(info)
         return info

@@ -26,6 +26,8 @@ class ShardLayout:
     placements: tuple[Any, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    spec: Any = None
+    """The live DTensor's spec: the copy is rewrapped with it as it is, on the host (see `Snapshot.staged`)."""
 
 
 @dataclass
@@ -70,13 +72,17 @@ class Snapshot:
         out: dict[str, Any] = {}
         for name, buf in self.tensors.items():
             lay = self.layouts.get(name)
-            out[name] = (
-                buf
-                if lay is None
-                else DTensor.from_local(
+            if lay is None:
+                out[name] = buf
+            elif lay.spec is not None:
+                # Not DTensor.from_local: it moves a host buffer to the mesh's device (a CUDA mesh would get a
+                # second copy of the shard on the GPU, on whichever device the writer thread has). DCP's own
+                # stager keeps host copies inside DTensors in the same way (a host `_local_tensor`).
+                out[name] = DTensor(buf, lay.spec, requires_grad=False)
+            else:
+                out[name] = DTensor.from_local(
                     buf, lay.mesh, lay.placements, run_check=False, shape=lay.shape, stride=lay.stride
                 )
-            )
         return out
 
 
@@ -135,8 +141,10 @@ class SnapshotRing:
                 ready: Callable[[], Any] = lambda: None  # noqa: E731
             else:
                 pairs = buffers_for(slot.buffers, local)
-                copier.start([pairs[n] for n in pairs if late(n)], [pairs[n] for n in pairs if not late(n)])
-                tensors, ready = dict(slot.buffers), copier.wait
+                handle = copier.start(
+                    [pairs[n] for n in pairs if late(n)], [pairs[n] for n in pairs if not late(n)]
+                )
+                tensors, ready = dict(slot.buffers), handle.result
         except BaseException:
             self._free(slot)
             raise
@@ -193,7 +201,9 @@ def local_shards(live: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict
     for name, t in live.items():
         if isinstance(t, DTensor):
             local[name] = t.to_local()
-            layouts[name] = ShardLayout(t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride()))
+            layouts[name] = ShardLayout(
+                t.device_mesh, tuple(t.placements), t.shape, tuple(t.stride()), getattr(t, "_spec", None)
+            )
         else:
             local[name] = t
     return local, layouts

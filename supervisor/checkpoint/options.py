@@ -60,6 +60,10 @@ class CheckpointOptions:
     """Write, checksum and commit in a background thread; save() blocks only for the host-memory snapshot."""
     max_in_flight: int = 1
     """Most saves written at once; save() blocks until the oldest finishes when this many are in flight."""
+    overlap: bool = False
+    """With async_save: copy the parameters and optimizer state into the ring beside the next forward and
+    backward instead of before save() returns; the registered optimizers' next step waits for the copy
+    (`OverlappedCopy`). Only for states whose parameters change in the optimizer's step alone."""
     memory_slots: int = MEMORY_SLOTS
     """Snapshots of the state kept in host memory after they are written, for in-process rollbacks.
 

@@ -28,77 +28,87 @@ from supervisor.errors import CheckpointError
 Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+class CopyHandle:
+    """One started copy: `result()` waits for it and raises its failure to every caller, each time."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._event: Any = None  # a CUDA event, for the device-to-host part
+        self.error: BaseException | None = None
+
+    def result(self) -> None:
+        self._done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+        if self.error is not None:
+            raise CheckpointError(
+                f"the overlapped snapshot copy failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+
+    def wait(self) -> None:
+        """Wait for it, raising nothing (the training thread's wait: the save's writer reports a failure)."""
+        self._done.wait()
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class OverlappedCopy:
     """Copies (dst, src) pairs into host buffers behind the training thread; one copy in flight at a time.
 
     `guard(optimizers)` makes every optimizer's step wait for the copy in flight. `threads` is the number of
     memcpy threads on the CPU path (1 leaves a core to the training when there are 2). `on_chunk` is called
-    by the copy thread before each group of pairs (a seam for tests that slow the copy down).
+    by the copy thread before each group of pairs (a seam for tests that slow the copy down). A failed copy
+    never raises in the training thread: its handle's `result()` raises it, for the save's writer to report.
     """
 
     def __init__(self, *, threads: int = 1, on_chunk: Callable[[int], None] | None = None):
         self._threads = threads
         self._on_chunk = on_chunk
-        self._thread: threading.Thread | None = None
-        self._event: Any = None
-        self._error: BaseException | None = None
+        self._current: CopyHandle | None = None
         self._hooks: list[Any] = []
-        self._lock = threading.Lock()  # wait() is called by the training thread and by a writer thread
         self.waited_s = 0.0
         """Seconds the training thread has spent in wait() so far (what the overlap failed to hide)."""
 
     @property
     def pending(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive()) or self._event is not None
+        current = self._current
+        return current is not None and not current._done.is_set()
 
-    def start(self, late: Pairs, now: Pairs = ()) -> None:
+    def start(self, late: Pairs, now: Pairs = ()) -> CopyHandle:
         """Copy `now` before returning and `late` in the background; waits for a copy still in flight."""
         self.wait()
         copy_tensors(now)
+        handle = CopyHandle()
         cuda = [p for p in late if p[1].is_cuda]
         host = [p for p in late if not p[1].is_cuda]
         if cuda:
-            self._start_cuda(cuda)
+            handle._event = _start_cuda(cuda)
+        self._current = handle
         if host:
-            self._error = None
-            self._thread = threading.Thread(target=self._copy, args=(host,), name="ckpt-overlap", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._copy, args=(host, handle), name="ckpt-overlap", daemon=True).start()
+        else:
+            handle._done.set()
+        return handle
 
-    def _start_cuda(self, pairs: Pairs) -> None:
-        stream = torch.cuda.Stream(device=pairs[0][1].device)
-        stream.wait_stream(torch.cuda.current_stream(pairs[0][1].device))
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src.detach(), non_blocking=True)
-                src.record_stream(stream)
-            self._event = torch.cuda.Event()
-            self._event.record(stream)
-
-    def _copy(self, pairs: Pairs) -> None:
+    def _copy(self, pairs: Pairs, handle: CopyHandle) -> None:
         try:
-            groups = _groups(pairs, 1 << 26)
-            for i, group in enumerate(groups):
+            for i, group in enumerate(_groups(pairs, 1 << 26)):
                 if self._on_chunk is not None:
                     self._on_chunk(i)
                 copy_tensors(group, threads=self._threads)
-        except BaseException as exc:  # re-raised on the training thread by wait()
-            self._error = exc
+        except BaseException as exc:  # raised by handle.result(), in the save's writer
+            handle.error = exc
+        finally:
+            handle._done.set()
 
     def wait(self) -> float:
-        """Block until the copy in flight is done; returns the seconds waited. A failed copy raises here."""
+        """Block until the copy in flight is done; returns the seconds waited. Never raises (see the class)."""
         t0 = time.perf_counter()
-        with self._lock:
-            if self._thread is not None:
-                self._thread.join()
-                self._thread = None
-            if self._event is not None:
-                self._event.synchronize()
-                self._event = None
-            waited = time.perf_counter() - t0
-            self.waited_s += waited
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise CheckpointError(f"the overlapped snapshot copy failed: {type(error).__name__}: {error}")
+        current = self._current
+        if current is not None:
+            current.wait()
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
         return waited
 
     def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
@@ -120,6 +130,20 @@ class OverlappedCopy:
             self.wait()
         finally:
             self.unguard()
+
+
+def _start_cuda(pairs: Pairs) -> Any:
+    """Device-to-host copies on a side stream that first waits for the current one; the event that ends them."""
+    device = pairs[0][1].device
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for dst, src in pairs:
+            dst.copy_(src.detach(), non_blocking=True)
+            src.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def _groups(pairs: Pairs, size: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -62,6 +62,7 @@ class WritePipeline:
         try:
             if self._tickets.refused(meta.id):  # rolled back past before its write began: skip it
                 raise Refused(meta.id)
+            snap.ready()  # an overlapped capture: its copy must be complete before anything reads it
             meta = self._health(meta, snap)
             manifest = write_checkpoint(
                 self._store,

@@ -30,6 +30,7 @@ def _selected(skeleton: object, prefixes: Iterable[str] | None) -> list[tuple[st
 
 def restore_snapshot(snap: Snapshot, state: CheckpointableState, prefixes: Iterable[str] | None) -> None:
     """Restore from a host-memory snapshot; its buffers are copied, never handed over, so they stay reusable."""
+    snap.ready()  # an overlapped capture may still be copying into them
     live = state.live_tensors()
     tensors: dict[str, torch.Tensor] = {}
     pairs = []

@@ -136,12 +136,14 @@ def write_sharded(
     process_group: Any = None,
     no_dist: bool = False,
     phase_hook: Callable[[str, int], None] | None = None,
+    failure: BaseException | None = None,
+    expect_id: str | None = None,
 ) -> str:
     """One sharded save of `flat` ({name: Tensor | DTensor}) through DCP into the store at `root`, from every
     rank (rank 0 passes the `job`, or a function DCP's planning step calls to build it, and commits); returns
     the checkpoint id. A failure on any rank raises CheckpointError on every rank, a lost peer RankLost;
     either way rank 0 removes what was staged."""
-    writer = ShardWriter(root, rank_raw, job, phase_hook)
+    writer = ShardWriter(root, rank_raw, job, phase_hook, failure=failure, expect_id=expect_id)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist says so
@@ -189,7 +191,7 @@ class ShardedCheckpoints:
         *,
         process_group: Any = None,
         collective_timeout_s: float = 60.0,
-        retention: RetentionPolicy | None = None,
+        retention: RetentionPolicy | Callable[[], RetentionPolicy | None] | None = None,
         gate: Callable[[str], str | None] | None = None,
         verify: str = "full",
         phase_hook: Callable[[str, int], None] | None = None,
@@ -291,29 +293,45 @@ class ShardedCheckpoints:
         self._count += 1
         self._seq += 1
         cid = make_id(step, self._seq)
+        job: Callable[[], CommitJob] | None = None
         try:
             skeleton, flat = state.snapshot()
             skeleton_raw, rank_raw = _dumps(skeleton), _dumps(state.rank_state())
             checks = getattr(state, "checked", None)
             checked = checks() if callable(checks) else None
             job = self._job_maker(cid, self._seq, step, skeleton_raw, metrics, before_commit, checked)
+            if not blocking:
+                self._writer.prune()
+                copier, late = self._overlap(state, overlap)
+                snap = self.ring.capture(
+                    cid,
+                    skeleton_raw,
+                    flat,
+                    {"step": step, "rank_raw": rank_raw},
+                    checked,
+                    copier=copier,
+                    late=late,
+                )
+        except Exception as exc:
+            # This rank cannot take part in save `cid`, but its peers will: it joins the save's collectives
+            # with a local plan that fails, so that every rank fails this one save together (a lone rank that
+            # skipped it would pair its next save with the peers' current one).
+            log.error("Sharded checkpoint %s: rank %d could not capture its share: %s", cid, self.rank, exc)
+            job = job or self._failed_job_maker(cid, exc)
             if blocking:
-                return self._write(cid, step, flat, rank_raw, job, t0)
-            self._writer.prune()
-            copier, late = self._overlap(state, overlap)
-            snap = self.ring.capture(
-                cid,
-                skeleton_raw,
-                flat,
-                {"step": step, "rank_raw": rank_raw},
-                checked,
-                copier=copier,
-                late=late,
-            )
+                try:
+                    self._write(cid, step, {}, b"{}", job, t0, failure=exc)
+                except CheckpointError:
+                    pass  # every rank has it now; this rank raises its own cause
+                raise
+            self._writer.submit(cid, self._write_failure, cid, step, job, exc, self._count)
+            return cid
         except BaseException:
             if not blocking:
                 self._writer.unreserve()
             raise
+        if blocking:  # outside the try: a failed write already reached every rank, in step
+            return self._write(cid, step, flat, rank_raw, job, t0)
         self._writer.submit(cid, self._write_snapshot, snap, job, self._count)
         log.info(
             "Captured sharded checkpoint %s on rank %d (%.1f MB): training blocked %.3f s; written in the background",
@@ -346,6 +364,29 @@ class ShardedCheckpoints:
 
         return job
 
+    def _failed_job_maker(self, cid: str, exc: BaseException) -> Callable[[], CommitJob] | None:
+        """Rank 0's job for a save its own capture failed: never built (the local plan fails first)."""
+        if self.rank != 0:
+            return None
+
+        def job() -> CommitJob:
+            raise CheckpointError(f"save {cid}: rank 0 could not capture its share ({exc})")
+
+        return job
+
+    def _write_failure(
+        self, cid: str, step: int, job: Callable[[], CommitJob] | None, exc: BaseException, number: int
+    ) -> None:
+        """The writer's job for a save this rank could not capture: fail it on every rank, in step."""
+        try:
+            if self._lost is not None:
+                raise self._lost
+            self._write(cid, step, {}, b"{}", job, time.monotonic(), failure=exc)
+        except RankLost as lost:
+            self._lost = lost
+        except BaseException as failed:  # the expected outcome: CheckpointError on every rank alike
+            self._failed.append((number, cid, failed))
+
     def _write(
         self,
         cid: str,
@@ -354,6 +395,7 @@ class ShardedCheckpoints:
         rank_raw: bytes,
         job: Callable[[], CommitJob] | None,
         t0: float,
+        failure: BaseException | None = None,
     ) -> str | None:
         """One save through DCP (the training thread's, or the writer's); None when the gate refused it."""
         try:
@@ -365,6 +407,8 @@ class ShardedCheckpoints:
                 process_group=self.group,
                 no_dist=not self.distributed,
                 phase_hook=self.phase_hook,
+                failure=failure,
+                expect_id=cid,
             )
         except SaveRefused as exc:
             log.info("Not committing checkpoint %s of step %d (%s)", cid, step, exc)
@@ -379,10 +423,16 @@ class ShardedCheckpoints:
         try:
             if self._lost is not None:  # the group is unusable: no collective can succeed any more
                 raise self._lost
+            failure: BaseException | None = None
+            try:
+                flat = snap.staged()  # waits for an overlapped copy, and raises if it failed
+            except Exception as exc:  # failed here alone: fail the save on every rank, in step
+                flat, failure = {}, exc
             kept = (
-                self._write(snap.id, snap.meta["step"], snap.staged(), snap.meta["rank_raw"], job, t0)
+                self._write(snap.id, snap.meta["step"], flat, snap.meta["rank_raw"], job, t0, failure=failure)
                 is not None
             )
+            snap.meta["committed"] = kept
         except RankLost as exc:
             log.error("Background save %s on rank %d: %s", snap.id, self.rank, exc)
             self._lost = exc
@@ -467,8 +517,9 @@ class ShardedCheckpoints:
 
     def _prepare(self) -> list[str]:
         """Retention before the save is planned (rank 0), then the checkpoints whose blobs it may reuse."""
-        if self.retention is not None:
-            self.catalog.gc(self.retention)
+        policy = self.retention() if callable(self.retention) else self.retention
+        if policy is not None:
+            self.catalog.gc(policy)
         listing = self.catalog.listing()
         return [
             i.id for i in listing.infos if not i.abandoned and isinstance(listing.manifest(i.id), Manifest)
@@ -483,10 +534,7 @@ class ShardedCheckpoints:
         specific id raises CheckpointCorrupt instead.
         """
         self._writer.drain()  # DCP's collectives need the group: the writer's pending saves first
-        try:  # the live tensors are about to change: an overlapped copy still reading them must be done
-            self.wait_capture()
-        except CheckpointError as exc:  # that save is lost (its write reports it); the restore goes on
-            log.warning("Restoring over a failed snapshot copy on rank %d: %s", self.rank, exc)
+        self.wait_capture()  # the live tensors are about to change: an overlapped copy reading them must be done
         skipped: list[str] = []
         while True:
             manifest = self._agree_on(which, skipped)
@@ -657,11 +705,12 @@ class ShardedCheckpoints:
         return self.ring.get(checkpoint_id) is not None
 
     def _held(self, which: str) -> Snapshot | None:
-        """This rank's snapshot of `which`; "latest": the newest one not gone past and all finite here."""
+        """This rank's snapshot of `which`; "latest": the newest committed one not gone past and all finite
+        here (a save still being written may yet fail or be refused)."""
         if which != "latest":  # an explicit id, even one a restore went back past: its bytes are the same
             return self.ring.get(which)
         for snap in reversed(self.ring.snapshots()):
-            if snap.id not in self._stale and not snap.nonfinite():
+            if snap.meta.get("committed") and snap.id not in self._stale and not snap.nonfinite():
                 return snap
         return None
 

@@ -126,12 +126,13 @@ def _write_mode(options: CheckpointOptions | None, dist: Collective | None) -> d
                 "async": options.async_save,
                 "memory_slots": options.memory_slots,
                 "max_in_flight": options.max_in_flight,
+                "overlap": options.overlap,
             }
         )
     if dist is not None:
         mine = dist.broadcast_outcome(mine if dist.is_writer else None)
     if not mine:
-        return {"async": False, "memory_slots": 0, "max_in_flight": 1}
+        return {"async": False, "memory_slots": 0, "max_in_flight": 1, "overlap": False}
     return json.loads(mine)
 
 
@@ -197,6 +198,7 @@ class ShardedStore:
             control_group=getattr(dist, "group", None),
             memory_slots=mode["memory_slots"],
             max_in_flight=mode["max_in_flight"],
+            overlap=bool(mode.get("overlap")) and bool(mode["async"]),
         )
         self.commits = self.checkpoints.rank == 0
         if self.commits:
@@ -234,9 +236,11 @@ class ShardedStore:
             log.info("Checkpoint for step %d already taken (%s); not saving again", step, self._last.id)
             return self._last
         self.state.state.step = int(step)
-        if self.commits and self._options is not None:  # rebuilt per save: it keeps the ids held now
+        if self.commits and self._options is not None:
             o = self._options
-            self.checkpoints.retention = policy_from_settings(
+            # Built when the save's retention runs (on the writer thread for an async save), so it keeps the
+            # ids held then: a rollback's protect() after this save was submitted still counts.
+            self.checkpoints.retention = lambda: policy_from_settings(
                 o.keep_last, o.keep_best, o.keep_every_steps, protected=set(self._held)
             )
         while True:

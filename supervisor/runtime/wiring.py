@@ -38,6 +38,7 @@ def checkpoint_options(
         keep_every_steps=ck.keep_every_steps,
         async_save=ck.async_,
         memory_slots=ck.memory_slots,
+        overlap=ck.overlap,
         verify=ck.verify,
         config=config,
         allow_nonfinite=ck.allow_nonfinite,

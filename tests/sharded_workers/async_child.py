@@ -120,6 +120,7 @@ def save_mode(out: str, store: str) -> None:
             )
         report["restored"] = results
     report["overlap"] = overlap_mode(store + "-overlap", group, control)
+    report["capture_failure"] = capture_failure_mode(store + "-capture", group, control)
     report["timing"] = timing(store + "-timing", group, control)
     with open(os.path.join(out, f"save.rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -155,6 +156,52 @@ def overlap_mode(store: str, group: Any, control: Any) -> dict[str, Any]:
             out[how] = (
                 got == cid and same(local(probe), ref[0]) and torch.equal(torch.get_rng_state(), ref[1])
             )
+    return out
+
+
+class FailingRankState(ShardedTrainingState):
+    """Rank 1 cannot capture its share when `fail` is set (its rank state raises), rank 0 can."""
+
+    fail = False
+
+    def rank_state(self) -> dict[str, Any]:
+        if self.fail and dist.get_rank() == 1:
+            raise MemoryError("no host memory for the rank state")
+        return super().rank_state()
+
+
+def capture_failure_mode(store: str, group: Any, control: Any) -> dict[str, Any]:
+    """A capture that fails on rank 1 alone fails that save on every rank together (async and blocking), and
+    the saves after it commit with every rank in step: no hang, no checkpoint mixing two saves."""
+    model, opt = build(5)
+    state = FailingRankState(model, opt)
+    gen = torch.Generator().manual_seed(500 + dist.get_rank())
+    out: dict[str, Any] = {"async_error": None, "blocking_error": None}
+    with ShardedCheckpoints(store, process_group=group, control_group=control) as ckpts:
+        train_step(model, opt, torch.randint(0, 11, (4, 3), generator=gen))
+        state.fail = True
+        ckpts.save(1, state, blocking=False)
+        state.fail = False
+        try:
+            ckpts.wait()
+        except Exception as exc:
+            out["async_error"] = type(exc).__name__
+        state.fail = True
+        try:
+            ckpts.save(2, state)
+        except Exception as exc:
+            out["blocking_error"] = type(exc).__name__
+        state.fail = False
+        train_step(model, opt, torch.randint(0, 11, (4, 3), generator=gen))
+        ref = local(state)
+        cid = ckpts.save(3, state, blocking=False)
+        ckpts.wait()
+        out["committed"] = [i.id for i in ckpts.catalog.list()]
+        probe_model, probe_opt = build(6)
+        probe = ShardedTrainingState(probe_model, probe_opt)
+        train_step(probe_model, probe_opt, torch.randint(0, 11, (4, 3), generator=gen))
+        out["restored"] = ckpts.restore(probe, cid) == cid and same(local(probe), ref)
+        out["last"] = cid
     return out
 
 
