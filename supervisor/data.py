@@ -12,6 +12,7 @@ What a resume guarantees per kind of loader (`loader_part` decides when it is re
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -57,31 +58,53 @@ def shard_indices(length: int, rank: int, world_size: int) -> range:
 
 @dataclass(frozen=True)
 class EpochPosition:
-    """Where one rank is in its current epoch: the dataset indices it reads this epoch, in order, and how many
-    of them it has read."""
+    """Where one rank is in its current epoch: the dataset indices it reads this epoch, in order, how many of
+    them it has read, and how many it reads in all (`stop`; None: all of them, else drop_last drops the rest).
+    `begun` is False between epochs (nothing of the next one drawn yet)."""
 
     order: tuple[int, ...]
     seen: int
+    stop: int | None = None
+    begun: bool = True
+
+    @property
+    def end(self) -> int:
+        return len(self.order) if self.stop is None else self.stop
 
     @property
     def unseen(self) -> tuple[int, ...]:
-        return self.order[self.seen :]
+        """What this rank would still have read this epoch."""
+        return self.order[self.seen : self.end]
+
+    @property
+    def dropped(self) -> tuple[int, ...]:
+        """What its epoch end drops (drop_last) and it has not read: never going to be read this epoch."""
+        return self.order[max(self.seen, self.end) :]
 
 
-def epoch_position(state: Mapping[str, Any], rank: int, world_size: int, length: int) -> EpochPosition:
-    """The position a `ResumableLoader.state_dict()` of rank `rank` of `world_size` over a dataset of `length`
-    describes (pure: the epoch's order is rebuilt from the sampler's saved generator state, as torchdata does).
+_BETWEEN_EPOCHS = EpochPosition((), 0, begun=False)
 
-    A loader between epochs (its epoch finished, or nothing of it read yet) has nothing unseen: its next epoch
-    is drawn afresh wherever it is read."""
+
+def epoch_position(
+    state: Mapping[str, Any], rank: int, world_size: int, length: int, *, batch_size: int, drop_last: bool
+) -> EpochPosition:
+    """The position a `ResumableLoader.state_dict()` of rank `rank` of `world_size` over a dataset of `length`,
+    read in batches of `batch_size` (with `drop_last`), describes (pure: the epoch's order is rebuilt from the
+    sampler's saved generator state, as torchdata does).
+
+    A loader between epochs (its epoch ended, or nothing of the next one drawn) has nothing unseen: its next
+    epoch is drawn afresh wherever it is read. With worker processes the position is the last snapshot's plus
+    the batches read since (`snapshot_every_n_steps` > 1), each a full batch but the epoch's last."""
     remainder = state.get("remainder")
-    if remainder is not None:  # itself in a re-split epoch
+    if remainder is not None:  # itself in a re-split epoch: it reads all of its share, drop_last or not
         return EpochPosition(tuple(int(i) for i in remainder["indices"].tolist()), int(remainder["seen"]))
     inner = state["loader"]
-    main = inner["_snapshot"]["_main_snapshot"] if "_snapshot" in inner else inner  # worker processes or not
+    workers = "_snapshot" in inner
+    main = inner["_snapshot"]["_main_snapshot"] if workers else inner
+    since = int(inner.get("_steps_since_snapshot", 0)) if workers else 0
     it = main.get("_sampler_iter_state")
-    if it is None or (not inner.get("_iterator_finished") and int(it["samples_yielded"]) == 0):
-        return EpochPosition((), 0)
+    if it is None or inner.get("_iterator_finished") or int(it["samples_yielded"]) + since == 0:
+        return _BETWEEN_EPOCHS
     base = shard_indices(length, rank, world_size)
     sampler_it = it.get("sampler_iter_state")
     if sampler_it is None:  # SequentialSampler: no state of its own
@@ -95,31 +118,90 @@ def epoch_position(state: Mapping[str, Any], rank: int, world_size: int, length:
             f"rank {rank}'s data loader state has a sampler this version cannot re-split "
             f"(sampler state keys: {sorted(sampler_it)}; expected shuffle=True or shuffle=False)"
         )
-    seen = len(order) if inner.get("_iterator_finished") else int(it["samples_yielded"])
-    if not 0 <= seen <= len(order):
+    drawn = int(it["samples_yielded"])  # at the last snapshot, with worker processes
+    stop = len(order) - len(order) % batch_size if drop_last else len(order)
+    batches = -(-stop // batch_size)  # in the whole epoch
+    if (
+        not 0 <= drawn <= len(order)
+        or (drawn % batch_size and drawn != len(order))
+        or (drawn + since * batch_size > batches * batch_size)
+    ):
         raise LoaderError(
-            f"rank {rank}'s data loader state: samples_yielded={seen} does not fit its shard of {len(order)} "
-            f"samples (rank {rank} of {world_size} over {length}); was the dataset the same size?"
+            f"rank {rank}'s data loader state: samples_yielded={drawn}"
+            + (f" plus {since} batches read since the last snapshot" if since else "")
+            + f" is not a whole number of batches of {batch_size} within its epoch of {batches} batches over "
+            f"{len(order)} samples (rank {rank} of {world_size} over {length}); restore it with the dataset, "
+            "batch_size and drop_last that saved it"
         )
-    return EpochPosition(order, seen)
+    return EpochPosition(order, min(drawn + since * batch_size, stop), stop if drop_last else None)
 
 
-def resplit(positions: Sequence[EpochPosition], rank: int, world_size: int) -> list[int]:
-    """Rank `rank` of `world_size`'s share of what the old ranks (`positions`, by old rank) had not yet read
-    this epoch (pure).
+def interleave(positions: Sequence[EpochPosition]) -> list[int]:
+    """What the old ranks (`positions`, by old rank) had not read of the epoch, in one fixed order: old rank
+    0's first unseen, rank 1's first, ..., rank 0's second, ... (pure)."""
+    unseen = [p.unseen for p in positions]
+    depth = max((len(u) for u in unseen), default=0)
+    return [u[i] for i in range(depth) for u in unseen if i < len(u)]
 
-    The unseen remainders are interleaved in a fixed order (old rank 0's first unseen, rank 1's first, ...,
-    rank 0's second, ...) and rank `rank` takes every `world_size`-th from its own offset. Every unseen sample
-    goes to exactly one new rank; the first `R mod world_size` ranks get one more than the others.
+
+def even_cut(n: int, parts: int) -> list[int]:
+    """`n` items cut into `parts` sizes as even as possible, the larger first (pure)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)] if parts else []
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """One new rank's part of a re-split epoch (see `resplit`)."""
+
+    batches: tuple[tuple[int, ...], ...]
+    """This rank's batches of the re-split epoch, in order; every new rank has the same number of them."""
+    in_epoch: bool
+    """Whether the old ranks were inside an epoch: then every new rank has a re-split epoch (maybe empty)."""
+    unread: int
+    """R: the samples the old ranks had not read and would have (drop_last's dropped ones excluded)."""
+    per_rank: int
+    """q = R // W': every rank's share is q or q + 1 samples."""
+    skipped: tuple[int, ...]
+    """q == 0 only: the R unread samples, which no rank reads (fewer than the new ranks)."""
+    dropped: tuple[int, ...]
+    """drop_last only: what the old ranks' epoch ends would have dropped (never read at any world size)."""
+
+    @property
+    def share(self) -> list[int]:
+        return [i for b in self.batches for i in b]
+
+
+def resplit(positions: Sequence[EpochPosition], rank: int, world_size: int, batch_size: int) -> Resplit:
+    """Rank `rank` of `world_size`'s part of what the old ranks (`positions`, by old rank) had not yet read
+    this epoch, in batches of about `batch_size` (pure).
+
+    The R unseen samples are `interleave`d and rank `rank` takes every `world_size`-th from its own offset:
+    q = R // W' or q + 1 of them (the first R mod W' ranks get one more). Every rank reads the same number of
+    batches, nb = ceil(q / batch_size), so all end the epoch at the same step (FSDP's collectives and later
+    checkpoints need that): its share is cut into nb batches as evenly as possible, the larger first, so a
+    batch may hold batch_size + 1 samples (when batch_size divides q) and none is empty. No unseen sample is
+    skipped or read twice, except when q == 0 (R < W'): no rank can read a batch then without the others
+    reading one of nothing, so the R samples are skipped (`skipped`) and the re-split epoch is empty on every
+    rank. What drop_last would have dropped at the old ranks' epoch ends is in `dropped`, never read.
     """
     if type(world_size) is not int or world_size < 1 or type(rank) is not int or not 0 <= rank < world_size:
         raise ValueError(
             f"resplit(): expected 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}"
         )
-    unseen = [p.unseen for p in positions]
-    depth = max((len(u) for u in unseen), default=0)
-    interleaved = [u[i] for i in range(depth) for u in unseen if i < len(u)]
-    return interleaved[rank::world_size]
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"resplit(): batch_size: expected an integer >= 1, got {batch_size!r}")
+    interleaved = interleave(positions)
+    unread, per_rank = len(interleaved), len(interleaved) // world_size
+    dropped = tuple(i for p in positions for i in p.dropped)
+    in_epoch = any(p.begun for p in positions)
+    if per_rank == 0:
+        return Resplit((), in_epoch, unread, 0, tuple(interleaved), dropped)
+    share = interleaved[rank::world_size]
+    batches, start = [], 0
+    for size in even_cut(len(share), -(-per_rank // batch_size)):
+        batches.append(tuple(share[start : start + size]))
+        start += size
+    return Resplit(tuple(batches), in_epoch, unread, per_rank, (), dropped)
 
 
 class WorkerRNG(Dataset):
@@ -185,8 +267,10 @@ class ResumableLoader(StatefulDataLoader):
         **kwargs: Any,
     ):
         self._source, self._split = dataset, (rank, world_size)
-        #: The dataset indices of a re-split epoch (after a restore at another world size) and how many were read.
+        #: A re-split epoch (after a restore at another world size): its dataset indices, its batch sizes and
+        #: how many samples were read.
         self._remainder: list[int] | None = None
+        self._remainder_sizes: list[int] = []
         self._remainder_seen = 0
         dataset = shard(dataset, rank, world_size)
         if _num_workers(dataset, args, kwargs) > 0:
@@ -219,8 +303,11 @@ class ResumableLoader(StatefulDataLoader):
         if not isinstance(self._source, IterableDataset):
             state["split"]["length"] = len(self._source)
         if self._remainder is not None:
-            indices = torch.tensor(self._remainder, dtype=torch.int64)
-            state["remainder"] = {"indices": indices, "seen": self._remainder_seen}
+            state["remainder"] = {
+                "indices": torch.tensor(self._remainder, dtype=torch.int64),
+                "sizes": torch.tensor(self._remainder_sizes, dtype=torch.int64),
+                "seen": self._remainder_seen,
+            }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -232,8 +319,22 @@ class ResumableLoader(StatefulDataLoader):
         self.generator.set_state(state_dict["generator"].to(dtype=torch.uint8, device="cpu"))
         self.batches_skipped = int(state_dict.get("batches_skipped", 0))
         remainder = state_dict.get("remainder")
-        self._remainder = None if remainder is None else [int(i) for i in remainder["indices"].tolist()]
-        self._remainder_seen = 0 if remainder is None else int(remainder["seen"])
+        self._remainder, self._remainder_sizes, self._remainder_seen = None, [], 0
+        if remainder is not None:
+            self._remainder = [int(i) for i in remainder["indices"].tolist()]
+            self._remainder_seen = int(remainder["seen"])
+            if "sizes" in remainder:
+                self._remainder_sizes = [int(n) for n in remainder["sizes"].tolist()]
+            else:  # saved before equal batch counts: full batches, the last one short
+                size, n = self.batch_size or 1, len(self._remainder)
+                self._remainder_sizes = [size] * (n // size) + ([n % size] if n % size else [])
+            ends = {0, *itertools.accumulate(self._remainder_sizes)}
+            if sum(self._remainder_sizes) != len(self._remainder) or self._remainder_seen not in ends:
+                raise LoaderError(
+                    f"ResumableLoader: the saved re-split epoch is inconsistent: {len(self._remainder)} indices, "
+                    f"batch sizes {self._remainder_sizes}, {self._remainder_seen} read (not a batch boundary); "
+                    "the checkpoint's rank state was altered"
+                )
 
     def __iter__(self) -> Iterator[Any]:
         if self._remainder is not None:
@@ -241,25 +342,28 @@ class ResumableLoader(StatefulDataLoader):
         return super().__iter__()
 
     def _iter_remainder(self) -> Iterator[Any]:
-        """The re-split epoch: this rank's share, in order, batch by batch (read in this process)."""
+        """The re-split epoch: this rank's share, in order, in its planned batches (read in this process)."""
         assert self._remainder is not None
-        size = self.batch_size or 1
-        while self._remainder_seen < len(self._remainder):
-            chunk = self._remainder[self._remainder_seen : self._remainder_seen + size]
-            getitems = getattr(self._source, "__getitems__", None)
-            samples = getitems(chunk) if callable(getitems) else [self._source[i] for i in chunk]
-            self._remainder_seen += len(chunk)
-            yield self.collate_fn(samples)
-        self._remainder, self._remainder_seen = None, 0  # the next epoch is an ordinary one
+        start = 0
+        for size in self._remainder_sizes:
+            if start >= self._remainder_seen:
+                chunk = self._remainder[start : start + size]
+                getitems = getattr(self._source, "__getitems__", None)
+                samples = getitems(chunk) if callable(getitems) else [self._source[i] for i in chunk]
+                self._remainder_seen = start + size
+                yield self.collate_fn(samples)
+            start += size
+        self._remainder, self._remainder_sizes, self._remainder_seen = None, [], 0  # next: an ordinary epoch
 
-    def resume_resplit(
-        self, saved: Sequence[Mapping[str, Any]], saved_world_size: int, seed: int
-    ) -> tuple[list[int], int]:
+    def resume_resplit(self, saved: Sequence[Mapping[str, Any]], saved_world_size: int, seed: int) -> Resplit:
         """Continue, at this loader's world size, the epoch the `saved` states (by old rank) were in.
 
-        This rank reads its `resplit` share of what they had not read, then ordinary epochs of its own shard
-        with its generator seeded from `seed`. Returns (its share, the unseen total R). An epoch this loader
-        had begun itself is dropped.
+        This rank reads its `resplit` batches of what they had not read (every rank the same number of
+        batches, one of which may hold batch_size + 1 samples; none at all when there are fewer unread samples
+        than ranks: those are skipped), then ordinary epochs of its own shard with its generator seeded from
+        `seed`. With drop_last, what the old ranks' epoch ends would have dropped stays dropped. Returns the
+        `Resplit` (the caller logs it). An epoch this loader had begun itself is dropped. The loader must be
+        built with the batch_size and drop_last that saved `saved`.
         """
         rank, world_size = self._split
         self._check_resplittable()
@@ -272,12 +376,24 @@ class ResumableLoader(StatefulDataLoader):
                     f"the checkpoint's data loader of rank {old_rank} read a dataset of {split['length']} "
                     f"samples, this one has {length}; restore it with the same dataset"
                 )
-            positions.append(epoch_position(state, old_rank, saved_world_size, length))
-        share = resplit(positions, rank, world_size)
-        self._remainder, self._remainder_seen = (share or None), 0
+            positions.append(
+                epoch_position(
+                    state,
+                    old_rank,
+                    saved_world_size,
+                    length,
+                    batch_size=self.batch_size,
+                    drop_last=self.drop_last,
+                )
+            )
+        plan = resplit(positions, rank, world_size, self.batch_size)
+        # Inside an epoch every rank has a re-split one, even an empty one: its first iter() then ends at once,
+        # so every rank's loop counts the same epoch end at the same step.
+        self._remainder = plan.share if plan.in_epoch else None
+        self._remainder_sizes, self._remainder_seen = [len(b) for b in plan.batches], 0
         super().load_state_dict({})  # drop any iterator built before: the next ordinary epoch is drawn afresh
         self.generator.manual_seed(seed)
-        return share, sum(len(p.unseen) for p in positions)
+        return plan
 
     def _check_resplittable(self) -> None:
         why = None
@@ -285,6 +401,10 @@ class ResumableLoader(StatefulDataLoader):
             why = "its dataset is an IterableDataset (no index to share out)"
         elif self.batch_sampler is not None and type(self.batch_sampler) not in _BATCH_SAMPLERS:
             why = f"it has a custom batch_sampler ({type(self.batch_sampler).__qualname__})"
+        elif self.batch_size is None:
+            why = (
+                "it has batch_size=None (no batches to count; give it batch_size=1 to read one sample a step)"
+            )
         elif not isinstance(self.sampler, SequentialSampler | StatefulRandomSampler) or (
             isinstance(self.sampler, StatefulRandomSampler)
             and (self.sampler.replacement or self.sampler._num_samples is not None)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from supervisor.data import LoaderError, ResumableLoader
+from supervisor.data import LoaderError, Resplit, ResumableLoader
 from supervisor.errors import CheckpointError
 from supervisor.flatten import flatten, unflatten
 from supervisor.rng import rederive, restore_rng, seed_all
@@ -226,7 +226,8 @@ class SessionShardedState:
         `saved` is every saving rank's `rank_state()` (None where one wrote none). Every stream is seeded from
         `rederive(seed, step, rank, world)`; the seed is `extras["seed"]` when the run put it there, else the
         xxh3 of saved rank 0's torch RNG state, so every restore of one checkpoint at one world size draws the
-        same. Each data loader reads its `resplit` share of what the saving ranks had not read this epoch.
+        same. Each data loader reads its `resplit` share of what the saving ranks had not read this epoch, in
+        as many batches as every other rank (see `supervisor.data.resplit`).
         """
         owns = []
         for old_rank, packed in enumerate(saved):
@@ -248,28 +249,18 @@ class SessionShardedState:
                     "its position to another world size; build it as ResumableLoader(dataset, ..., rank=, "
                     "world_size=), or restore at the world size that saved it"
                 )
-            share, unseen = part.resume_resplit(
+            plan = part.resume_resplit(
                 [own[name] for own in owns], saved_world, rederive(seed, step, rank, world, "data")
             )
-            shares.append(
-                f"data part {name!r}: the {unseen} samples of the epoch not yet read are shared out, "
-                f"{unseen // world} per rank"
-                + (f" and one more to each of the first {unseen % world} ranks" if unseen % world else "")
-            )
-        self.state.samples_seen = _split_count(
-            [int(own.get("counters", {}).get("samples_seen", -1)) for own in owns],
-            self.state.samples_seen,
-            rank,
-            world,
-        )
+            shares.append(_describe(name, plan, world, part.batch_size))
+        counts = [int(own.get("counters", {}).get("samples_seen", -1)) for own in owns]
+        self.state.samples_seen = _split_count(counts, self.state.samples_seen, rank, world)
         if rank == 0:
             log.warning(
                 "Checkpoint of step %d was saved by %d ranks and is restored on %d: each rank's RNG streams (%s) "
-                "are re-derived from seed %d (%s), the step, its rank and the world size; %s (the left-over ones "
-                "go to the first ranks, whose last batch of the epoch is then short, rather than being dropped or "
-                "carried into the next epoch: so no sample of the epoch is skipped or read twice and later "
-                "epochs are untouched); from the next epoch each rank reads its own shard at world size %d; "
-                "samples_seen is split so that its sum over the ranks is unchanged",
+                "are re-derived from seed %d (%s), the step, its rank and the world size; %s; from the next "
+                "epoch each rank reads its own shard at world size %d; samples_seen is split so that its sum "
+                "over the ranks is unchanged%s",
                 step,
                 saved_world,
                 world,
@@ -278,6 +269,10 @@ class SessionShardedState:
                 seed_from,
                 "; ".join(shares) or "no data loader registered",
                 world,
+                " (the checkpoint predates per-rank counts: each saving rank is taken to have read what the "
+                "saved counter, rank 0's own count, says)"
+                if min(counts) < 0
+                else "",
             )
 
     def _run_seed(self, owns: Sequence[dict[str, Any]]) -> tuple[int, str]:
@@ -289,8 +284,40 @@ class SessionShardedState:
         return xxhash.xxh3_64_intdigest(raw), "no extras['seed']: the xxh3 of saved rank 0's torch RNG state"
 
 
+def _describe(name: str, plan: Resplit, world: int, batch_size: int) -> str:
+    """What the re-split of data part `name` decided, with the reasons, for the one warning line."""
+    q, r = plan.per_rank, plan.unread
+    if not plan.in_epoch:
+        said = f"data part {name!r}: the saving ranks were between epochs, so each rank starts a new one"
+    elif q == 0 and r:
+        said = (
+            f"data part {name!r}: the {r} samples of the epoch not yet read (indices {list(plan.skipped)}) are "
+            f"fewer than the {world} ranks, so no rank could read a batch of them while another read none "
+            "(the ranks would end the epoch at different steps): they are SKIPPED, the re-split epoch is "
+            "empty on every rank and every rank starts the next epoch"
+        )
+    elif q == 0:
+        said = f"data part {name!r}: the saving ranks had read all of the epoch, which ends at once on every rank"
+    else:
+        nb = len(plan.batches)
+        said = (
+            f"data part {name!r}: the {r} samples of the epoch not yet read are shared out, {q} per rank"
+            + (f" and one more to each of the first {r % world} ranks" if r % world else "")
+            + f"; every rank reads them in {nb} batches (ceil({q}/{batch_size})), cut as evenly as possible, so "
+            f"a batch holds at most {batch_size + 1} samples and every rank ends the epoch at the same step; no "
+            "sample of the epoch is skipped or read twice"
+        )
+    if plan.dropped:
+        said += (
+            f"; with drop_last, the {len(plan.dropped)} samples the saving ranks' epoch ends would have dropped "
+            f"are dropped (indices {list(plan.dropped)})"
+        )
+    return said
+
+
 def _split_count(saved: Sequence[int], fallback: int, rank: int, world: int) -> int:
     """This rank's share of the saving ranks' total (their per-rank counts; -1 where a checkpoint predates
-    them, which counts as `fallback`, the global counter): the shares sum to the total."""
+    them: `fallback`, the saved counter, is rank 0's own count, as `Session.loop` counts per rank, so each
+    saving rank is taken to have read as much): the shares sum to the total."""
     total = sum(fallback if n < 0 else n for n in saved)
     return total // world + (1 if rank < total % world else 0)

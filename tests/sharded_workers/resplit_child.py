@@ -3,7 +3,8 @@
 Usage: resplit_child.py PHASE WORK OUT STEPS [CHECKPOINT_ID]
 PHASE "save": train STEPS steps from scratch (the Session's final save). PHASE "finish": restore CHECKPOINT_ID
 (saved at any world size) and train STEPS more. Every rank writes OUT/rank<r>.json: the sample indices it read,
-the epoch of each, its RNG draws right after the restore, its samples_seen and the checkpoint it saved last.
+the epoch of each and of each step, its RNG draws right after the restore, its samples_seen and the checkpoint it
+saved last.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> int:
     sess.state.extras["seed"] = 7  # the run's seed, saved with every checkpoint
     indices: list[int] = []
     epochs: list[int] = []
+    step_epochs: list[int] = []  # the epoch of each step: every rank must end an epoch at the same step
     clock["built"] = time.monotonic() - start
     with sess:
         sess.restore()
@@ -70,6 +72,7 @@ def main() -> int:
         for _, batch in sess.loop(loader, max_steps=sess.step + steps):
             indices += batch.tolist()
             epochs += [sess.state.epoch] * len(batch)
+            step_epochs.append(sess.state.epoch)
             loss = model(batch.float().unsqueeze(1) / LENGTH).pow(2).mean()
             loss.backward()
             opt.step()
@@ -83,6 +86,7 @@ def main() -> int:
         report = {
             "indices": indices,
             "epochs": epochs,
+            "step_epochs": step_epochs,
             "draws": draws,
             "samples_seen": sess.state.samples_seen,
             "final_checkpoint": saved[-1].removeprefix("ckpt-") if saved else None,
