@@ -99,6 +99,9 @@ def test_bench_smoke_writes_every_key(tmp_path):
         "state_bytes",
         "torch_save_s",
         "blocking_save_s",
+        "blocking_save_overlap_s",
+        "fwd_bwd_s",
+        "overlapped_fwd_bwd_s",
         "write_s",
         "restore_memory_s",
         "restore_disk_s",
@@ -110,6 +113,7 @@ def test_bench_smoke_writes_every_key(tmp_path):
     assert keys <= result.keys() and all(result[k] > 0 for k in keys)
     assert set(result["targets"]) == {
         "blocking_save_s/torch_save_s",
+        "blocking_save_overlap_s/torch_save_s",
         "restore_memory_s/memcpy_s",
         "restore_disk_s/torch_load_s",
         "restore_disk_s/torch_load_mmap_s",
