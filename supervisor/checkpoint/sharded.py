@@ -39,12 +39,15 @@ from supervisor.checkpoint.catalog import Catalog
 from supervisor.checkpoint.dcp_reader import check_verify, load_tensors, read_skeleton, unwrap
 from supervisor.checkpoint.dcp_writer import CommitJob, SaveRefused, ShardWriter, discard, rank_file
 from supervisor.checkpoint.fastcopy import copy_tensors
+from supervisor.checkpoint.holds import Holds
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.manifest import Manifest, library_versions
 from supervisor.checkpoint.memory import Snapshot, SnapshotRing, local_shards
 from supervisor.checkpoint.options import MEMORY_SLOTS, make_id, parse_id
 from supervisor.checkpoint.overlap import OverlappedCopy
-from supervisor.checkpoint.retention import RetentionPolicy
+from supervisor.checkpoint.remote import RemoteTier
+from supervisor.checkpoint.retention import AnyOf, KeepProtected, RetentionPolicy
+from supervisor.checkpoint.upload import Uploader
 from supervisor.checkpoint.writer import CheckpointMeta
 from supervisor.errors import (
     BackgroundSaveError,
@@ -121,6 +124,13 @@ def _mismatch(snap: Snapshot, local: Mapping[str, Any]) -> str | None:
         if buf.shape != t.shape or buf.dtype != t.dtype:
             return f"{name}: snapshot {tuple(buf.shape)} {buf.dtype}, live {tuple(t.shape)} {t.dtype}"
     return None
+
+
+class _LoggedErrors(BackgroundErrors):
+    """An upload's failure, logged (the remote copy is a spare; the local commit stands)."""
+
+    def record(self, checkpoint_id: str, exc: BaseException) -> None:
+        log.error("Upload of sharded checkpoint %s failed: %s: %s", checkpoint_id, type(exc).__name__, exc)
 
 
 def _dumps(value: Any) -> bytes:
@@ -200,6 +210,7 @@ class ShardedCheckpoints:
         memory_slots: int = MEMORY_SLOTS,
         max_in_flight: int = 1,
         overlap: bool | OverlappedCopy = False,
+        remote: str | None = None,
     ):
         check_verify(verify)  # before any collective: every rank passes the same value, so all raise alike
         self.root = os.path.abspath(os.fspath(directory))
@@ -237,10 +248,19 @@ class ShardedCheckpoints:
         failure: tuple[str, ...] | None = None
         cause: BaseException | None = None
         seq = 0
+        #: Rank 0's remote tier: each commit is uploaded in the background; a restore fetches what the local
+        #: store lacks (a new machine after a preemption starts with an empty one).
+        self.remote: RemoteTier | None = None
+        self._uploader: Uploader | None = None
+        self._holds = Holds()
         if self.rank == 0:
             try:
                 self.store = LocalStore(self.root)
-                seq = max((parse_id(i)[1] for i in self.store.catalog.ids()), default=0)
+                ids = self.store.catalog.ids()
+                if remote:
+                    self._open_remote(remote)
+                    ids += self.remote.catalog.ids()  # type: ignore[union-attr]
+                seq = max((parse_id(i)[1] for i in ids), default=0)
             except Exception as exc:  # sent to every rank, which would otherwise wait for the timeout
                 failure, cause = _as_data(exc), exc
         if self.distributed:
@@ -414,7 +434,29 @@ class ShardedCheckpoints:
             log.info("Not committing checkpoint %s of step %d (%s)", cid, step, exc)
             return None
         log.info("Saved sharded checkpoint %s on rank %d in %.3f s", cid, self.rank, time.monotonic() - t0)
+        if self._uploader is not None:
+            self._uploader.submit(self.catalog.manifest(cid))
         return cid
+
+    def _open_remote(self, url: str) -> None:
+        """Rank 0: the remote tier and its upload thread. An upload failure is logged, and never raised: only
+        rank 0 uploads, and a raise on one rank would leave the others' next collective waiting."""
+        self.remote = RemoteTier(url)
+        self._uploader = Uploader(
+            self.remote,
+            self.store,
+            self._holds,
+            self._policy,
+            _LoggedErrors(),  # type: ignore[arg-type]
+        )
+
+    def _policy(self) -> RetentionPolicy | None:
+        """The retention asked for now, keeping the checkpoints being uploaded."""
+        policy = self.retention() if callable(self.retention) else self.retention
+        held = self._holds.held()
+        if policy is None or not held:
+            return policy
+        return AnyOf(policy, KeepProtected(held))
 
     def _write_snapshot(self, snap: Snapshot, job: Callable[[], CommitJob] | None, number: int) -> None:
         """The writer thread's job: one ring snapshot through DCP; a failure is kept for `save()`/`wait()`."""
@@ -517,7 +559,7 @@ class ShardedCheckpoints:
 
     def _prepare(self) -> list[str]:
         """Retention before the save is planned (rank 0), then the checkpoints whose blobs it may reuse."""
-        policy = self.retention() if callable(self.retention) else self.retention
+        policy = self._policy()
         if policy is not None:
             self.catalog.gc(policy)
         listing = self.catalog.listing()
@@ -624,6 +666,8 @@ class ShardedCheckpoints:
 
     def _choose(self, which: str, skipped: list[str]) -> str:
         """Rank 0: the id to restore; "latest" is the newest healthy, live commit that passes a fast check."""
+        if self.remote is not None:
+            self._fetch(which, skipped)
         if which != "latest":
             return self.catalog.get(which).id
         listing = self.catalog.listing()
@@ -635,6 +679,40 @@ class ShardedCheckpoints:
                 return info.id
             log.warning("Skipping checkpoint %s (%s)", info.id, reason)
         raise CheckpointNotFound(f"no valid committed checkpoint in {self.root}")
+
+    def _fetch(self, which: str, skipped: list[str]) -> None:
+        """Rank 0: download `which` ("latest": the newest remote commit newer than every valid local one) from
+        the remote tier when the local store lacks a valid copy; the local store is the one every rank reads."""
+        assert self.remote is not None and self.store is not None
+        local = self.catalog.listing()
+        valid_local = {
+            i.id: i.seq
+            for i in local.infos
+            if not i.abandoned and self.catalog.verify(i.id, "fast", read=local.manifest(i.id)) is None
+        }
+        if which != "latest":
+            wanted = [which] if which not in valid_local else []
+        else:
+            newest = max((s for c, s in valid_local.items() if c not in skipped), default=0)
+            remote = self.remote.catalog.listing()
+            wanted = [
+                i.id
+                for i in reversed(remote.infos)
+                if i.seq > newest and i.healthy and not i.abandoned and i.id not in skipped
+            ]
+        for cid in wanted:
+            if self.remote.catalog.verify(cid, "fast") is not None:
+                log.warning(
+                    "Not fetching checkpoint %s from %s: its remote copy is invalid", cid, self.remote.url
+                )
+                continue
+            try:
+                self.remote.download(self.store, cid)
+            except (OSError, ValueError) as exc:
+                log.warning("Fetching checkpoint %s from %s failed (%s)", cid, self.remote.url, exc)
+                continue
+            log.info("Fetched sharded checkpoint %s from %s into %s", cid, self.remote.url, self.root)
+            return
 
     def _agree_on(self, which: str, skipped: list[str]) -> Manifest:
         """The manifest rank 0 picked, on every rank (an error on rank 0 is raised on every rank)."""
@@ -727,6 +805,9 @@ class ShardedCheckpoints:
         finally:
             if self._copier is not None:
                 self._copier.close()
+            if self._uploader is not None:
+                self._uploader.close()  # finishes the uploads under way
+                self._uploader = None
             if self.store is not None:
                 self.store.close()
                 self.store = None

@@ -199,6 +199,7 @@ class ShardedStore:
             memory_slots=mode["memory_slots"],
             max_in_flight=mode["max_in_flight"],
             overlap=bool(mode.get("overlap")) and bool(mode["async"]),
+            remote=options.remote if options is not None else None,  # rank 0 alone uploads and fetches
         )
         self.commits = self.checkpoints.rank == 0
         if self.commits:
@@ -210,11 +211,7 @@ class ShardedStore:
                 else f"asynchronous, each rank's writer thread; {len(self.checkpoints.ring)} memory slots per rank",
             )
         if self.commits and options is not None and options.remote:
-            log.warning(
-                "checkpoint.remote %s is not used for sharded checkpoints yet (issue 17): they stay in %s",
-                options.remote,
-                directory,
-            )
+            log.info("sharded checkpoints are uploaded to %s from rank 0", options.remote)
         self._last: CheckpointInfo | None = None
         #: Told the id just before rank 0 restores it: an in-process rollback names its target to the other
         #: ranks there, so that they enter the collective restore with it.
@@ -370,7 +367,11 @@ class ShardedStore:
             )
         target = self._info(which if isinstance(which, str) else which.id)
         gone = [i for i in self.list() if i.seq > target.seq and not i.abandoned]
+        remote = self.checkpoints.remote
+        remote_ids = set(remote.catalog.ids()) if remote is not None else set()
         for info in gone:
             self.checkpoints.store.mark_abandoned(info.id, f"rolled back to {target.id}")
+            if remote is not None and info.id in remote_ids:  # an upload still running marks it when it ends
+                remote.mark_abandoned(info.id, f"rolled back to {target.id}")
         self._last = target
         return [replace(i, abandoned=True) for i in gone]
