@@ -40,3 +40,30 @@ def test_an_unsupervised_session_with_a_metrics_spool_closes_without_an_mlflow_c
             sess.log(loss=loss.item())
     assert sess.exit_code == EXIT_OK
     assert [json.loads(line) for line in spool.read_text().splitlines()]  # the points are in the spool
+
+
+def test_a_user_mistake_inside_the_session_is_recorded_as_exit_2_and_any_other_error_as_1(tmp_path: Path):
+    """As the Lightning and Trainer callbacks do: the supervisor reads the recorded code, not a traceback's 1."""
+    from supervisor.errors import UserError
+
+    (tmp_path / "policy.yaml").write_text(NAN_ROLLBACK_POLICY)
+    for error, code in ((UserError("a loader the Session cannot re-split"), 2), (RuntimeError("a bug"), 1)):
+        work = tmp_path / str(code)
+        plan = LaunchPlan(
+            lineage="alone",
+            workdir=str(work),
+            checkpoint_dir=str(work / "store"),
+            tracking_uri="sqlite:///unused.db",
+            run_id="run",
+            policy_path=str(tmp_path / "policy.yaml"),
+            metrics_spool=str(work / "metrics" / "0.jsonl"),
+            supervised=False,
+        )
+        sess = Session(plan)
+        sess.register(model=torch.nn.Linear(2, 1))
+        try:
+            with sess:
+                raise error
+        except type(error):
+            pass
+        assert sess.exit_code == code

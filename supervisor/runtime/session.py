@@ -231,8 +231,8 @@ class Session:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self._core.fail()
+        if exc_type is not None:  # a user's mistake (a UserError) is recorded as 2, as the integrations do
+            self._core.fail(exit_code=exc.exit_code if isinstance(exc, UserError) else exitcodes.EXIT_FAILED)
         try:
             self.close()  # a SIGTERM now (torchrun tearing ranks down) must not cut a pending save short
         finally:
