@@ -93,7 +93,6 @@ class CheckpointManager:
             self._writer = AsyncWriter("ckpt-writer", self._errors, max_in_flight=options.max_in_flight)
         #: With `overlap`, the copy of what only an optimizer step changes runs beside the next step.
         self._copier = OverlappedCopy(threads=1) if options.overlap and options.async_save else None
-        self._guarded: set[int] = set()
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(
@@ -170,9 +169,7 @@ class CheckpointManager:
         if self._copier is None or not callable(parts):
             return None, None
         optimizers, late = parts()
-        fresh = [o for o in optimizers if id(o) not in self._guarded]
-        self._copier.guard(fresh)  # each optimizer's step waits for the copy in flight
-        self._guarded.update(id(o) for o in fresh)
+        self._copier.guard(optimizers)  # each optimizer's step waits for the copy in flight
         return self._copier, late
 
     def wait_capture(self) -> float:

@@ -66,6 +66,7 @@ class OverlappedCopy:
         self._on_chunk = on_chunk
         self._current: CopyHandle | None = None
         self._hooks: list[Any] = []
+        self._guarded: set[int] = set()  # ids of the optimizers whose step waits already
         self.waited_s = 0.0
         """Seconds the training thread has spent in wait() so far (what the overlap failed to hide)."""
 
@@ -112,18 +113,22 @@ class OverlappedCopy:
         return waited
 
     def guard(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Make each optimizer's step wait for the copy first (a step pre-hook); `unguard` removes them."""
+        """Make each optimizer's step wait for the copy first (a step pre-hook, once per optimizer, so it may
+        be called at every save); `unguard` removes them."""
 
         def before_step(*_: Any) -> None:
             self.wait()
 
         for opt in optimizers:
-            self._hooks.append(opt.register_step_pre_hook(before_step))
+            if id(opt) not in self._guarded:
+                self._guarded.add(id(opt))
+                self._hooks.append(opt.register_step_pre_hook(before_step))
 
     def unguard(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._guarded.clear()
 
     def close(self) -> None:
         try:

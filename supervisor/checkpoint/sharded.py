@@ -234,7 +234,6 @@ class ShardedCheckpoints:
         self._copier = (
             overlap if isinstance(overlap, OverlappedCopy) else OverlappedCopy(threads=1) if overlap else None
         )
-        self._guarded: set[int] = set()
         self._overlap_default = bool(overlap)  # what save(overlap=None) does, whatever a save asked before
         self._writer = AsyncWriter(
             f"ckpt-shards-r{self.rank}", BackgroundErrors(), max_in_flight=max_in_flight
@@ -515,9 +514,7 @@ class ShardedCheckpoints:
         if self._copier is None:
             self._copier = OverlappedCopy(threads=1)
         optimizers, late = parts()
-        fresh = [o for o in optimizers if id(o) not in self._guarded]
-        self._copier.guard(fresh)  # each optimizer's step waits for the copy in flight
-        self._guarded.update(id(o) for o in fresh)
+        self._copier.guard(optimizers)  # each optimizer's step waits for the copy in flight
         return self._copier, late
 
     def wait_capture(self) -> float:
