@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import random
-import select
 import signal
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.chaos_child import KEEP_LAST, PHASES
-from benchmarks.common import BenchRunError, child_env, machine
+from benchmarks.common import BenchRunError, ForkServer, child_env, machine
 
 #: How long one saver may take to reach its targeted phase, and one check to finish.
 TRIAL_TIMEOUT_S = 300.0
@@ -45,75 +44,20 @@ AWS_ENV = {
 }
 
 
-class Zygote:
+class Zygote(ForkServer[tuple[float, list[str]]]):
     """The forking child process (benchmarks/chaos_child.py) and the pipe its savers write markers to."""
 
     def __init__(self, env: dict[str, str], log: Path):
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        self.log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos_child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-            pass_fds=(self.write_fd,),
-            start_new_session=True,
-        )
-        self._pending = b""
+        super().__init__("benchmarks.chaos_child", env, log, "the chaos child process")
 
     def start(self, cmd: dict[str, Any]) -> int:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise BenchRunError(f"the chaos child process died; see {self.log.name}")
-        return json.loads(line)["pid"]
+        return self.ask(cmd)["pid"]
 
     def reaped(self) -> int:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise BenchRunError(f"the chaos child process died; see {self.log.name}")
-        return json.loads(line)["status"]
+        return self.reply()["status"]
 
-    def markers(self, timeout: float) -> list[tuple[float, list[str]]]:
-        """Marker lines that arrive within `timeout` seconds (at least one, unless it times out)."""
-        ready, _, _ = select.select([self.read_fd], [], [], timeout)
-        now = time.monotonic()
-        if not ready:
-            return []
-        out = []
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(self.read_fd, 65536):
-                self._pending += chunk
-        *lines, self._pending = self._pending.split(b"\n")
-        for line in lines:
-            out.append((now, line.decode().split()))
-        return out
-
-    def drain(self) -> list[tuple[float, list[str]]]:
-        """Every marker still in the pipe (the saver is dead and reaped: it wrote all it ever will)."""
-        out = []
-        while batch := self.markers(0):
-            out += batch
-        return out
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-        self.log.close()
+    def parse(self, arrived: float, line: str) -> tuple[float, list[str]]:
+        return arrived, line.split()
 
 
 class MotoServer:

@@ -25,19 +25,16 @@ import itertools
 import json
 import os
 import random
-import select
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchRunError, child_env, machine
+from benchmarks.common import BenchRunError, ForkServer, child_env, machine
 from supervisor.checkpoint.dcp_writer import PHASES
 
 #: Phases only the coordinating rank (0) reaches; the other two are reached by every rank.
@@ -50,63 +47,15 @@ START_TIMEOUT_S = 120.0
 EXIT_MARGIN_S = 5.0
 
 
-class Zygote:
+class Zygote(ForkServer[list[str]]):
     """The forking child process (benchmarks/chaos_sharded_child.py) and the pipe its ranks write markers to."""
 
     def __init__(self, env: dict[str, str], log: Path):
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        self.log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos_sharded_child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-            pass_fds=(self.write_fd,),
-            start_new_session=True,
-        )
-        self._pending = b""
+        super().__init__("benchmarks.chaos_sharded_child", env, log, "the sharded chaos child process")
 
-    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise BenchRunError(f"the sharded chaos child process died; see {self.log.name}")
-        return json.loads(line)
-
-    def markers(self, timeout: float) -> list[list[str]]:
-        """Marker lines that arrive within `timeout` seconds: [rank, what, step, time, ...]."""
-        ready, _, _ = select.select([self.read_fd], [], [], timeout)
-        if not ready:
-            return []
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(self.read_fd, 65536):
-                self._pending += chunk
-        *lines, self._pending = self._pending.split(b"\n")
-        return [line.decode().split(" ", 5) for line in lines]
-
-    def drain(self) -> list[list[str]]:
-        out = []
-        while batch := self.markers(0):
-            out += batch
-        return out
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        os.close(self.read_fd)
-        os.close(self.write_fd)
-        self.log.close()
+    def parse(self, arrived: float, line: str) -> list[str]:
+        """[rank, what, step, time, ...]."""
+        return line.split(" ", 5)
 
 
 def free_port() -> int:

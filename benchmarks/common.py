@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import platform
+import select
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from supervisor.errors import SupervisorError, UserError
 
@@ -34,6 +38,84 @@ class BenchError(UserError):
 
 class BenchRunError(SupervisorError):
     """A benchmark's child process failed or did not do what the measurement needs; the message says where."""
+
+
+M = TypeVar("M")
+
+
+class ForkServer(Generic[M]):
+    """A `python -m module` child that answers JSON lines, and the pipe (`write_fd`) its children mark on.
+
+    A subclass says what one marker is (`parse`). Not thread-safe: one caller asks, reads and drains."""
+
+    def __init__(self, module: str, env: dict[str, str], log: Path, what: str):
+        self.what = what
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.log = log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            pass_fds=(self.write_fd,),
+            start_new_session=True,
+        )
+        self._pending = b""
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and return its reply."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def reply(self) -> dict[str, Any]:
+        """The child's next JSON line (a reply, or a message it sends unasked)."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise BenchRunError(f"{self.what} died; see {self.log.name}")
+        return json.loads(line)
+
+    def parse(self, arrived: float, line: str) -> M:
+        """One marker from its line and the time (monotonic) its batch arrived."""
+        raise NotImplementedError
+
+    def markers(self, timeout: float) -> list[M]:
+        """Marker lines that arrive within `timeout` seconds (at least one, unless it times out)."""
+        ready, _, _ = select.select([self.read_fd], [], [], timeout)
+        now = time.monotonic()
+        if not ready:
+            return []
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(self.read_fd, 65536):
+                self._pending += chunk
+        *lines, self._pending = self._pending.split(b"\n")
+        return [self.parse(now, line.decode()) for line in lines]
+
+    def drain(self) -> list[M]:
+        """Every marker still in the pipe (once its writers are dead and reaped, that is all they wrote)."""
+        out = []
+        while batch := self.markers(0):
+            out += batch
+        return out
+
+    def close(self) -> None:
+        """Close the child's stdin (its cue to exit), wait (SIGKILL its group after 30 s), close the pipe."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+        self.log.close()
 
 
 def check_size(size: str) -> str:
