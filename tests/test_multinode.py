@@ -11,10 +11,14 @@ uninterrupted two-node run. The pure parts (merging the nodes' exits, the policy
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
+import resource
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -60,8 +64,10 @@ def _exit(node: int, code: int | None, seen: int, **kw: Any) -> NodeExit:
     ("nodes", "ours", "code", "cause", "lost_node"),
     [
         # node 1's agent SIGKILLed by someone else: a lost node, whatever node 0 then says
-        ([_exit(0, 1, 1), _exit(1, -9, 0)], None, -9, "hardware_fault", 1),
-        ([_exit(0, 1, 0), _exit(1, 137, 1)], None, 137, "hardware_fault", 1),
+        ([_exit(0, 1, 1), _exit(1, -9, 0, agent_returncode=-9)], None, -9, "hardware_fault", 1),
+        ([_exit(0, 1, 0), _exit(1, 137, 1, agent_returncode=137)], None, 137, "hardware_fault", 1),
+        # a rank SIGKILLed (the OOM killer) under node 1's live agent, which exits 1: a failed rank, as on one node
+        ([_exit(0, 1, 1, agent_returncode=1), _exit(1, -9, 0, agent_returncode=1)], None, -9, None, None),
         # node 1's follower stopped beating: lost, its code unknown; the first known failure's code is kept
         (
             [_exit(0, 1, 0), _exit(1, None, 1, lost="its follower stopped beating (31s)")],
@@ -71,7 +77,39 @@ def _exit(node: int, code: int | None, seen: int, **kw: Any) -> NodeExit:
             1,
         ),
         # every node SIGKILLed by our own stop: no verdict, the classifier sees a stop of ours
-        ([_exit(0, -9, 0, signal_sent=9), _exit(1, -9, 1, signal_sent=9)], 9, -9, None, None),
+        (
+            [_exit(0, -9, 0, signal_sent=9), _exit(1, -9, 1, signal_sent=9, agent_returncode=-9)],
+            9,
+            -9,
+            None,
+            None,
+        ),
+        # a node lost before our stop was sent: the stop does not hide it; lost after it: the stop explains it
+        (
+            [_exit(0, -15, 1, signal_sent=15), _exit(1, None, 0, lost="its follower exited")],
+            15,
+            -15,
+            "hardware_fault",
+            1,
+        ),
+        (
+            [
+                _exit(0, -15, 1, signal_sent=15),
+                _exit(1, None, 0, lost="its follower exited", lost_after_stop=True),
+            ],
+            15,
+            -15,
+            None,
+            None,
+        ),
+        # node 1 stopped before its follower read the run order: ended, not failed
+        (
+            [_exit(0, -15, 0, signal_sent=15), _exit(1, None, 1, signal_sent=15, never_started=True)],
+            15,
+            -15,
+            None,
+            None,
+        ),
         # killed by us because a peer had failed: not lost; the first failure (a rank's exit 75) speaks
         ([_exit(0, 75, 0), _exit(1, -9, 1, signal_sent=9, killed_after_peer=True)], None, 75, None, None),
         # an anomaly reported on every rank: both nodes exit 76
@@ -277,24 +315,33 @@ def test_a_follower_whose_owner_went_silent_kills_its_agent_and_leaves(tmp_path:
     assert not psutil.pid_exists(int(state["exit"]["handle_id"]))
 
 
-def start_sleepers(tmp_path: Path) -> tuple[MultinodeLauncher, Any, list[str]]:
-    """Two nodes of one rank each that print `up` and sleep; returns once node 1's line reached the owner."""
+def sleepers(tmp_path: Path, **options: Any) -> tuple[MultinodeLauncher, LaunchSpec]:
+    """A launcher for two nodes of one rank each, and a segment whose ranks print `up` and sleep."""
     script = tmp_path / "sleeper.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
-    options = MultinodeOptions(
-        nodes=2,
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        channel_dir=tmp_path / "channel",
-        node_timeout_seconds=30,
-        peer_exit_grace_seconds=1,
-        rdzv_join_timeout_seconds=30,
+    defaults: dict[str, Any] = {"node_timeout_seconds": 30, "peer_exit_grace_seconds": 1}
+    launcher = MultinodeLauncher(
+        MultinodeOptions(
+            nodes=2,
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            channel_dir=tmp_path / "channel",
+            rdzv_join_timeout_seconds=30,
+            **{**defaults, **options},
+        )
     )
-    launcher = MultinodeLauncher(options)
+    return launcher, LaunchSpec((sys.executable, str(script)), name="t-0")
+
+
+def start_sleepers(
+    tmp_path: Path, started: Any = None, **options: Any
+) -> tuple[MultinodeLauncher, Any, list[str]]:
+    """Start `sleepers`; returns once node 1's line reached the owner (`started()` runs before the wait)."""
+    launcher, spec = sleepers(tmp_path, **options)
     lines: list[str] = []
     try:
-        handle = launcher.start(
-            LaunchSpec((sys.executable, str(script)), name="t-0"), lambda s, line: lines.append(line)
-        )
+        handle = launcher.start(spec, lambda s, line: lines.append(line))
+        if started is not None:
+            started(launcher)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and "[node 1] up" not in lines:
             assert handle.wait_exit(0.2) is None
@@ -353,3 +400,174 @@ def alive(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def settle(procs: list[psutil.Process], timeout: float = 5.0) -> list[psutil.Process]:
+    """`procs`, once those that were sent a SIGKILL have died (or `timeout` passed)."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return procs
+
+
+def node_processes(launcher: MultinodeLauncher, node: int) -> list[psutil.Process]:
+    """Node `node`'s agent (as its follower's state names it) and its ranks."""
+    agent = psutil.Process((read_json(launcher.channel.state(node)) or {})["agent"]["pid"])
+    return [agent, *agent.children(recursive=True)]
+
+
+def running(rdzv_id: str) -> list[psutil.Process]:
+    """Every live process of a segment (its agents and ranks carry its rendezvous id or are their children)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if rdzv_id in " ".join(proc.info["cmdline"] or ()) and alive(proc):
+            found += [proc, *(p for p in proc.children(recursive=True) if alive(p))]
+    return found
+
+
+@pytest.mark.e2e
+def test_a_node_lost_before_our_stop_stays_a_lost_node(tmp_path: Path):
+    """The follower dies, the owner sees it, then the supervisor stops the segment: the loss is not hidden."""
+    launcher, handle, _ = start_sleepers(tmp_path, peer_exit_grace_seconds=30)
+    try:
+        os.killpg(launcher.followers[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while 1 not in handle.exits and time.monotonic() < deadline:
+            assert handle.wait_exit(0.1) is None  # node 0 sleeps on: only node 1 has ended
+        handle.stop(5, signal.SIGTERM)
+        info = handle.wait(1)
+    finally:
+        launcher.close()
+    assert info.signal_sent == signal.SIGTERM
+    assert info.cause == "hardware_fault" and info.cause_evidence["node"] == 1, info.cause_evidence
+    assert "its follower exited with -9" in info.cause_evidence["why"]
+    assert running(handle.rdzv_id) == []
+
+
+@pytest.mark.e2e
+def test_a_rank_sigkilled_under_a_live_agent_is_a_failed_rank_not_a_lost_node(tmp_path: Path):
+    """The OOM killer's way: one rank of node 1 SIGKILLed, its agent alive; classified as on one node."""
+    from supervisor.monitor.classifier import classify_exit
+
+    launcher, handle, _ = start_sleepers(tmp_path)
+    try:
+        agent, rank = node_processes(launcher, 1)
+        rank.kill()
+        info = handle.wait(30)
+    finally:
+        launcher.close()
+    assert handle.exits[1].agent_returncode == 1  # the agent lived to report its rank's death
+    assert info.cause is None and info.returncode == -signal.SIGKILL, info.cause_evidence
+    assert info.stderr_tail.startswith("--- node 1 (exit -9) ---")
+    event = classify_exit(info.returncode, info.stderr_tail, signal_sent_by_us=info.signal_sent)
+    assert event is not None and event.evidence["rule"] == "torchrun_child_sigkill", event
+    assert not alive(agent) and running(handle.rdzv_id) == []
+
+
+@pytest.mark.e2e
+def test_a_stop_before_a_follower_read_its_run_order_ends_that_node_at_once(tmp_path: Path):
+    """The stop overwrites the run order before the (just started) follower read it: no wait for a report."""
+    launcher, spec = sleepers(tmp_path, node_timeout_seconds=10)
+    try:
+        handle = launcher.start(spec)
+        started = time.monotonic()
+        handle.stop(5, signal.SIGTERM)
+        stopped_in = time.monotonic() - started
+        info = handle.wait(1)
+    finally:
+        launcher.close()
+    assert handle.exits[1].never_started and handle.exits[1].returncode is None
+    assert stopped_in < 8, stopped_in  # not the node timeout's 10 s, nor more
+    assert info.signal_sent == signal.SIGTERM and info.cause is None
+    assert info.cause_evidence == {} and running(handle.rdzv_id) == []
+    assert launcher.follower_exits == {1: 0}
+
+
+@pytest.mark.e2e
+def test_a_follower_started_again_neither_repeats_the_order_nor_leaves_the_old_agent(tmp_path: Path):
+    """An external follower SIGKILLed mid-segment (its agent, in a session of its own, lives on), then started
+    again by its scheduler: it resumes after the last order, kills the orphaned agent and reports the node lost."""
+    log = open(tmp_path / "followers.log", "a")  # noqa: SIM115
+    followers: list[subprocess.Popen] = []
+
+    def follow(launcher: MultinodeLauncher) -> None:
+        followers.append(
+            subprocess.Popen(launcher.follower_command(1), stdout=log, stderr=log, start_new_session=True)
+        )
+
+    with log:
+        launcher, handle, lines = start_sleepers(tmp_path, started=follow, followers="external")
+        try:
+            orphans = node_processes(launcher, 1)
+            followers[0].kill()
+            followers[0].wait(5)
+            assert all(alive(p) for p in orphans)  # the leak: the agent outlives its follower
+            follow(launcher)
+            info = handle.wait(20)
+        finally:
+            launcher.close()
+            codes = [f.wait(10) for f in followers]
+            leaked = running(handle.rdzv_id)
+            for proc in leaked:  # asserted below; never left behind
+                proc.kill()
+    assert info.cause == "hardware_fault" and info.cause_evidence["node"] == 1, info.cause_evidence
+    assert "follower was restarted" in info.cause_evidence["why"]
+    assert not any(alive(p) for p in settle(orphans))
+    assert lines.count("[node 1] up") == 1  # no second agent for the same order
+    assert leaked == []
+    assert codes == [-signal.SIGKILL, 0]
+
+
+@pytest.mark.e2e
+def test_a_follower_killed_by_close_does_not_leave_its_agent(tmp_path: Path):
+    launcher, handle, _ = start_sleepers(tmp_path)
+    node1 = node_processes(launcher, 1)
+    try:
+        os.kill(launcher.followers[1].pid, signal.SIGSTOP)  # it cannot obey the exit order: close kills it
+        launcher.close(wait_seconds=1)
+        assert launcher.follower_exits == {1: -signal.SIGKILL}
+        assert not any(alive(p) for p in settle(node1))
+    finally:
+        handle.local.kill()
+        for proc in node1:  # on failure, do not leak
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    assert running(handle.rdzv_id) == []
+
+
+@pytest.mark.e2e
+def test_a_failed_start_of_node_0_calls_the_other_nodes_off(tmp_path: Path):
+    """Node 0's agent cannot start (the owner is out of file descriptors) after node 1's run order was
+    written: node 1 is told to stop at once instead of waiting for the rendezvous up to its join timeout."""
+    launcher, spec = sleepers(tmp_path)
+    launcher.open()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    free = list(itertools.islice((fd for fd in range(soft) if not _open_fd(fd)), 3))
+    try:
+        # three free descriptors: enough for writing an order, not for Popen's pipes
+        resource.setrlimit(resource.RLIMIT_NOFILE, (free[-1] + 1, hard))
+        with pytest.raises(OSError, match="Too many open files"):
+            launcher.start(spec)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        order = read_json(launcher.channel.order(1)) or {}
+        assert (order.get("action"), order.get("segment")) == ("stop", 0)
+        deadline = time.monotonic() + 15
+        state: dict[str, Any] = {}
+        while time.monotonic() < deadline and state.get("status") != "exited":
+            time.sleep(0.1)
+            state = read_json(launcher.channel.state(1)) or {}
+        assert state.get("segment") == 0 and state.get("status") == "exited", state
+        assert state["agent"] is None
+    finally:
+        launcher.close()
+    assert launcher.follower_exits == {1: 0}
+
+
+def _open_fd(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True

@@ -4,12 +4,19 @@ It reads its orders from the channel (see node_channel), starts each announced s
 process group (LocalLauncher: output streamed to the channel's log, every rank reaped), beats, reports the
 agent's exit (code, the signal we sent, output tails), and stops or kills its agent when told. It ends its
 agent and exits when the owner goes silent for `owner_timeout` (3) or on an `exit` order (0).
+
+A stop for a segment whose run order it never read (the owner overwrote it within a beat) is reported as that
+segment's end, `never_started`, so the owner does not wait for it. A follower started again (by its scheduler,
+after it died) resumes from its state file: it goes on from the recorded order, so the current run order is not
+obeyed twice, and an agent its predecessor left running is killed (it cannot be reaped or stopped from here)
+and its segment reported `lost`.
 Run as `python -m supervisor.launcher.follower` or `rollback-supervisor follow`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -17,17 +24,40 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from supervisor.launcher.base import LaunchSpec
-from supervisor.launcher.local import LocalLauncher, LocalSegment
+from supervisor.launcher.local import LocalLauncher, LocalSegment, is_segment_process
 from supervisor.launcher.node_channel import NODE_ENV, Beat, Channel, read_json, write_json
 
 log = logging.getLogger("rollback_supervisor.follower")
 
 EXIT_OWNER_LOST = 3
+
+
+def reclaim_node(details: Mapping[str, Any]) -> bool:
+    """SIGKILL a node's agent and its ranks (each in a session of its own) if they run on this host and are
+    still the processes the follower reported (start time checked: a reused PID is left alone); True if killed."""
+    pid = details.get("pid")
+    if not pid or details.get("host") != socket.gethostname():
+        return False
+    if not is_segment_process(pid, details.get("pid_started"), {}):
+        return False
+    try:
+        ranks = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        ranks = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for rank in ranks:
+        with contextlib.suppress(psutil.Error):
+            rank.kill()
+    log.warning("killed the node's agent %d and its %d ranks on this host", pid, len(ranks))
+    return True
 
 
 class Follower:
@@ -63,6 +93,7 @@ class Follower:
     def run(self) -> int:
         """The loop: read the owner's beat and this node's order, collect the agent's exit, beat."""
         log.info("node %d following owner %s in %s", self.node, self.owner, self.channel.root)
+        self._resume()
         try:
             while True:
                 code = self._step(self.clock())
@@ -72,6 +103,34 @@ class Follower:
                 self._wake.wait(self.beat_seconds)
         finally:
             self._end_agent(0.0, signal.SIGKILL)
+
+    def _resume(self) -> None:
+        """Go on from a predecessor's state file (the same owner's): its order, its segment, its agent's fate."""
+        state = read_json(self.channel.state(self.node))
+        if state is None or state.get("owner") != self.owner:
+            return
+        self.seq = int(state.get("seq") or 0)
+        self.segment = state.get("segment")
+        self.exit = state.get("exit")
+        self.beats = int(state.get("beats") or 0)
+        agent = state.get("agent")
+        log.warning("node %d: resuming after follower pid %s at order %d, segment %s",
+                    self.node, state.get("pid"), self.seq, self.segment)  # fmt: skip
+        if not agent:
+            return
+        # Not our child: we could neither reap it nor learn its exit code, so its segment is over for this node.
+        killed = reclaim_node({**agent, "host": state.get("host")})
+        why = f"its follower was restarted while the agent (pid {agent.get('pid')}) ran; " + (
+            "the new follower killed the agent" if killed else "the agent was already gone"
+        )
+        log.error("node %d: segment %s lost: %s", self.node, self.segment, why)
+        self.exit = {
+            "returncode": None,
+            "lost": why,
+            "signal_sent": None,
+            "stderr_tail": "",
+            "stdout_tail": "",
+        }
 
     def _step(self, now: float) -> int | None:
         owner = read_json(self.channel.owner)
@@ -101,10 +160,20 @@ class Follower:
             if self.agent is not None:  # a stale segment: the owner moved on without it
                 self._end_agent(0.0, signal.SIGKILL)
             self._start(order)
-        elif action == "stop" and self.agent is not None:
+        elif action == "stop":
             grace, sig = float(order.get("grace", 0.0)), int(order.get("signal", signal.SIGTERM))
-            agent = self.agent  # stopping blocks up to the grace: the beats must go on meanwhile
-            threading.Thread(target=agent.stop, args=(grace, sig), daemon=True).start()
+            segment = order.get("segment")
+            if segment is not None and (self.segment is None or segment > self.segment):
+                # The stop overwrote a run order this follower never read: report that segment as ended.
+                if self.agent is not None:  # an older segment's: the owner moved on without it
+                    self._end_agent(0.0, signal.SIGKILL)
+                self.segment = int(segment)
+                self.exit = {"returncode": None, "never_started": True, "signal_sent": sig,
+                             "stderr_tail": "", "stdout_tail": ""}  # fmt: skip
+                log.warning("node %d: segment %d stopped before this follower started it", self.node, segment)
+            elif self.agent is not None and segment in (None, self.segment):
+                agent = self.agent  # stopping blocks up to the grace: the beats must go on meanwhile
+                threading.Thread(target=agent.stop, args=(grace, sig), daemon=True).start()
         elif action == "exit":
             self.leaving = True
             self._end_agent(float(order.get("grace", 0.0)), int(order.get("signal", signal.SIGKILL)))
@@ -117,6 +186,7 @@ class Follower:
         self._logfile = open(self.channel.log(self.node, self.segment), "a")  # noqa: SIM115
         self.agent = LocalLauncher().start(spec, self._sink)
         log.info("node %d: segment %d started as pid %s", self.node, self.segment, self.agent.handle_id)
+        self._write_state()  # the agent is recorded at once: a follower started after us must find it
 
     def _sink(self, stream: str, line: str) -> None:
         with self._log_lock:
@@ -146,6 +216,7 @@ class Follower:
     def _end_agent(self, grace: float, sig: int) -> None:
         if self.agent is not None:
             self.agent.stop(grace, sig)
+            self.agent.wait_exit(10.0)  # a SIGKILL lands asynchronously: collect its exit, not a live agent
             self._collect()
 
     def _write_state(self) -> None:

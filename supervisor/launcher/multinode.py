@@ -8,10 +8,12 @@ every node: the owner's agent directly, the others through their followers' stat
 
 A segment ends when every node's agent has ended. Once one node failed, the others get
 `peer_exit_grace_seconds` to fail on their own (their collectives error out when a peer's sockets close), then
-are killed: nothing useful survives a broken job. A node whose agent was SIGKILLed by someone else, or whose
-follower stopped beating for `node_timeout_seconds`, is a lost node: the segment's exit carries the launcher's
-verdict `hardware_fault` with `kind: node_lost`, the way SLURM's NODE_FAIL does, and the policy decides once.
-Otherwise the nodes' exits are merged (the first failure's code, every node's output tail) for the classifier.
+are killed: nothing useful survives a broken job. A node whose torchrun agent itself was SIGKILLed by someone
+else, whose follower died, was restarted under a running agent, or stopped beating for `node_timeout_seconds`,
+is a lost node: the segment's exit carries the launcher's verdict `hardware_fault` with `kind: node_lost`, the
+way SLURM's NODE_FAIL does, and the policy decides once. A stop of ours excuses only the nodes lost after it was
+sent. A rank SIGKILLed under a live agent (the OOM killer) is no lost node: the agent reports it, and the nodes'
+exits are merged (the first failure's code, every node's output tail) for the classifier, as on one node.
 """
 
 from __future__ import annotations
@@ -32,19 +34,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from policies.launcher_schema import TorchrunSpec
 from supervisor.errors import UserError
 from supervisor.launcher.base import ExitInfo, Launcher, LaunchSpec, OnLine, SegmentHandle
-from supervisor.launcher.local import LocalLauncher, is_segment_process
+from supervisor.launcher.follower import reclaim_node
+from supervisor.launcher.local import LocalLauncher
 from supervisor.launcher.node_channel import NODE_ENV, Beat, Channel, read_json, write_json
-from supervisor.launcher.torchrun import (
-    TorchrunLauncher,
-    TorchrunOptions,
-    TorchrunSegment,
-    root_cause_exitcode,
-)
+from supervisor.launcher.torchrun import TorchrunLauncher, TorchrunOptions, root_cause_exitcode
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -112,7 +108,7 @@ class NodeExit:
     """How one node's agent ended, as the owner saw it."""
 
     node: int
-    returncode: int | None  #: None: unknown (the node was lost before it could say)
+    returncode: int | None  #: the failed rank's code if the agent names one, else its own; None: unknown
     stderr_tail: str = ""
     stdout_tail: str = ""
     signal_sent: int | None = None  #: the signal the owner (through the follower) sent it
@@ -121,6 +117,23 @@ class NodeExit:
     killed_after_peer: bool = False  #: killed by the owner because another node had already failed
     seen: int = 0  #: the order in which the owner saw the nodes end
     details: dict[str, Any] = field(default_factory=dict)
+    agent_returncode: int | None = None  #: the torchrun agent's own exit (1 when a rank failed under it)
+    lost_after_stop: bool = False  #: lost only after the owner's stop was sent: the stop explains it
+    never_started: bool = False  #: stopped before its follower read the run order
+
+
+def rank_returncode(agent_code: int | None, stderr_tail: str) -> int | None:
+    """The code a node reports: the failed rank's from the agent's "Root Cause" block (exit 1), else the agent's."""
+    if agent_code == 1:  # the agent's ChildFailedError
+        return root_cause_exitcode(stderr_tail) or agent_code
+    return agent_code
+
+
+def is_lost(node: NodeExit) -> bool:
+    """Lost: its follower could not report, or its agent itself (not a rank) died of a SIGKILL nobody of ours sent."""
+    if node.lost:
+        return not node.lost_after_stop
+    return node.signal_sent is None and not node.killed_after_peer and _sigkilled(node.agent_returncode)
 
 
 def _sigkilled(code: int | None) -> bool:
@@ -130,16 +143,10 @@ def _sigkilled(code: int | None) -> bool:
 def combine_exits(nodes: list[NodeExit], *, signal_sent: int | None, handle_id: str) -> ExitInfo:
     """One segment exit from every node's: a lost node is the launcher's verdict, else the first failure's code.
 
-    A node is lost when its follower could not report (`lost`) or its agent died of a SIGKILL that neither the
-    owner's stop nor the peer-failure cleanup sent. The merged tails put the first failing node first, each
-    under a `node <k>` header, for the classifier.
+    See `is_lost`; a node lost after the owner's stop was sent is excused by it, one lost before is not. The
+    merged tails put the first failing node first, each under a `node <k>` header, for the classifier.
     """
-    ours = signal_sent is not None
-    lost = [
-        n
-        for n in nodes
-        if n.lost or (n.signal_sent is None and not n.killed_after_peer and _sigkilled(n.returncode))
-    ]
+    lost = [n for n in nodes if is_lost(n)]
     failed = sorted(
         (n for n in nodes if n.returncode not in (0, None) and not n.killed_after_peer), key=lambda n: n.seen
     )
@@ -152,16 +159,18 @@ def combine_exits(nodes: list[NodeExit], *, signal_sent: int | None, handle_id: 
         str(n.node): {
             "returncode": n.returncode,
             **({"lost": n.lost} if n.lost else {}),
+            **({"lost_after_stop": True} if n.lost and n.lost_after_stop else {}),
             **({"killed_after_peer": True} if n.killed_after_peer else {}),
+            **({"never_started": True} if n.never_started else {}),
         }
         for n in nodes
     }
     cause, evidence = None, {}
-    if lost and not ours:
+    if lost:
         node = lost[0]
         why = (
             node.lost
-            or f"its torchrun agent was killed (exit {node.returncode}) by a signal the owner did not send"
+            or f"its torchrun agent was killed (exit {node.agent_returncode}) by a signal the owner did not send"
         )
         cause = NODE_LOST_CAUSE
         evidence = {"kind": NODE_LOST, "rule": NODE_LOST, "node": node.node, "why": why, "nodes": summary}
@@ -202,7 +211,8 @@ class MultinodeLauncher:
 
     # -- the owner's beat and the followers -----------------------------------------------------
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Start beating and the local followers (once); `start()` does it for the first segment."""
         if self._beat_thread is not None:
             return
         self._beat()
@@ -271,7 +281,11 @@ class MultinodeLauncher:
             return self.seq
 
     def close(self, wait_seconds: float = 10.0) -> None:
-        """Tell every follower to exit (killing its agent), wait for the local ones, stop beating."""
+        """Tell every follower to exit (killing its agent), wait for the local ones, stop beating.
+
+        A local follower that does not exit in time is SIGKILLed; its agent, in a session of its own, is then
+        killed here from the follower's state file (PID and start time checked).
+        """
         if self._beat_thread is None:
             return
         for node in range(1, self.options.nodes):
@@ -286,15 +300,24 @@ class MultinodeLauncher:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
             self.follower_exits[node] = proc.returncode
+            self._reclaim_agent(node)
         self.followers.clear()
         self._stop_beat.set()
         self._beat_thread.join(5)
         self._beat_thread = None
 
+    def _reclaim_agent(self, node: int) -> None:
+        """Kill the agent an ended follower's state file still names (a follower that exited cleanly names none)."""
+        state = read_json(self.channel.state(node)) or {}
+        if state.get("owner") == self.owner and state.get("agent"):
+            if reclaim_node({**state["agent"], "host": state.get("host")}):
+                log.warning("node %d: its follower ended and left agent pid %s; killed it", node,
+                            state["agent"].get("pid"))  # fmt: skip
+
     # -- segments -------------------------------------------------------------------------------
 
     def start(self, spec: LaunchSpec, on_line: OnLine | None = None) -> MultinodeSegment:
-        self._open()
+        self.open()
         segment = self.segments
         self.segments += 1
         rdzv_id = _UNSAFE.sub("-", f"{spec.name or 'segment'}-{self.owner[:6]}-{segment}")
@@ -310,14 +333,24 @@ class MultinodeLauncher:
                 env=dict(spec.env_overrides),
                 cwd=spec.cwd,
             )
-        for node, proc in list(self.followers.items()):  # a follower that died (with its node) is replaced
-            if proc.poll() is not None:
-                log.warning("node %d: follower pid %d had exited with %s; starting another", node, proc.pid,
-                            proc.returncode)  # fmt: skip
-                self.followers[node] = self._spawn_follower(node)
-        command = TorchrunLauncher(self.options.torchrun(0)).command(spec.command, rdzv_id)
-        local_spec = replace(spec, command=command, env_overrides={**spec.env_overrides, NODE_ENV: "0"})
-        local = TorchrunSegment(self.inner.start(local_spec, on_line))
+        try:
+            # A follower that died (with its node) is replaced; an agent it left behind is ended first.
+            for node, proc in list(self.followers.items()):
+                if proc.poll() is not None:
+                    log.warning("node %d: follower pid %d had exited with %s; starting another", node, proc.pid,
+                                proc.returncode)  # fmt: skip
+                    self._reclaim_agent(node)
+                    self.followers[node] = self._spawn_follower(node)
+            command = TorchrunLauncher(self.options.torchrun(0)).command(spec.command, rdzv_id)
+            local_spec = replace(spec, command=command, env_overrides={**spec.env_overrides, NODE_ENV: "0"})
+            local = self.inner.start(local_spec, on_line)
+        except BaseException as exc:
+            # The other nodes' agents would wait for node 0 up to the join timeout: call them off now.
+            log.error("segment %d: node 0 did not start (%s); stopping the other nodes", segment, exc)
+            for node in orders:
+                with contextlib.suppress(OSError):
+                    self.order(node, "stop", segment=segment, grace=0.0, signal=int(signal.SIGKILL))
+            raise
         log.info("segment %s: %d nodes, rendezvous %s at %s", spec.name, self.options.nodes, rdzv_id,
                  self.options.rdzv_endpoint)  # fmt: skip
         return MultinodeSegment(self, local, segment, rdzv_id, orders, on_line)
@@ -325,26 +358,6 @@ class MultinodeLauncher:
     def reclaim(self, details: Mapping[str, Any]) -> None:
         """Node 0's agent leads its process group; the other nodes' followers leave when this owner is gone."""
         self.inner.reclaim(details)
-
-
-def reclaim_node(details: Mapping[str, Any]) -> None:
-    """SIGKILL a lost node's agent and its ranks (each in a session of its own) if they run on this host and
-    are still the processes the follower reported (start time checked: a reused PID is left alone)."""
-    pid = details.get("pid")
-    if not pid or details.get("host") != socket.gethostname():
-        return
-    if not is_segment_process(pid, details.get("pid_started"), {}):
-        return
-    try:
-        ranks = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        ranks = []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for rank in ranks:
-        with contextlib.suppress(psutil.Error):
-            rank.kill()
-    log.warning("killed the lost node's agent %d and its %d ranks on this host", pid, len(ranks))
 
 
 class MultinodeSegment:
@@ -372,6 +385,7 @@ class MultinodeSegment:
         self.remote_details: dict[int, Any] = {}
         self._log_offsets = dict.fromkeys(orders, 0)
         self._signal_sent: int | None = None
+        self._stop_at: float | None = None  #: when the owner's stop was sent (monotonic)
         self._first_failure: float | None = None
         self._peer_killed: set[int] = set()  #: remote nodes ordered killed after a peer failed
         self._lock = threading.Lock()
@@ -402,8 +416,9 @@ class MultinodeSegment:
     def _update(self, now: float) -> None:
         if 0 not in self.exits and self.local.poll() is not None:
             info = self.local.wait(60.0)
-            self._ended(NodeExit(0, info.returncode, info.stderr_tail, info.stdout_tail, info.signal_sent,
-                                 info.duration_s), now)  # fmt: skip
+            self._ended(NodeExit(0, rank_returncode(info.returncode, info.stderr_tail), info.stderr_tail,
+                                 info.stdout_tail, info.signal_sent, info.duration_s,
+                                 agent_returncode=info.returncode), now)  # fmt: skip
         for node, seq in self.orders.items():
             self._forward_log(node)
             if node in self.exits:
@@ -419,25 +434,37 @@ class MultinodeSegment:
                     "index": self.segment,
                 }
             done = state.get("exit") if took and state.get("status") == "exited" else None
-            if done is not None:
-                code = done.get("returncode")
-                if code == 1:  # the agent's ChildFailedError: the failed rank's code, as for node 0
-                    code = root_cause_exitcode(done.get("stderr_tail", "")) or code
-                self._ended(NodeExit(node, code, done.get("stderr_tail", ""), done.get("stdout_tail", ""),
+            if done is not None and done.get("lost"):  # its follower was restarted under a running agent
+                self._lost(node, str(done["lost"]), now, now)
+            elif done is not None and done.get("never_started"):
+                log.info("segment %d: node %d was stopped before it started", self.segment, node)
+                self._ended(
+                    NodeExit(node, None, signal_sent=done.get("signal_sent"), never_started=True), now
+                )
+            elif done is not None:
+                agent_code = done.get("returncode")
+                tail = done.get("stderr_tail", "")
+                self._ended(NodeExit(node, rank_returncode(agent_code, tail), tail, done.get("stdout_tail", ""),
                                      done.get("signal_sent"), float(done.get("duration_s", 0.0)),
-                                     killed_after_peer=node in self._peer_killed), now)  # fmt: skip
+                                     killed_after_peer=node in self._peer_killed,
+                                     agent_returncode=agent_code), now)  # fmt: skip
             elif (proc := self.launcher.followers.get(node)) is not None and proc.poll() is not None:
                 why = (
                     f"its follower exited with {proc.returncode} (see {self.launcher.channel.node_dir(node)})"
                 )
-                log.error("segment %d: node %d lost: %s", self.segment, node, why)
-                self._ended(NodeExit(node, None, lost=why), now)
+                self._lost(node, why, now, now)
             elif self.beats[node].stale(now):
                 why = "its follower never took the order" if not took else "its follower stopped beating"
                 why += f" ({self.beats[node].silent_for(now):.0f}s)"
-                log.error("segment %d: node %d lost: %s", self.segment, node, why)
-                self._ended(NodeExit(node, None, lost=why), now)
+                self._lost(node, why, self.beats[node].moved_at, now)
         self._cleanup_after_failure(now)
+
+    def _lost(self, node: int, why: str, since: float, now: float) -> None:
+        """Node `node` is lost since `since`; a stop of ours sent before that explains it."""
+        after_stop = self._stop_at is not None and since > self._stop_at
+        log.error("segment %d: node %d lost%s: %s", self.segment, node,
+                  " after our stop" if after_stop else "", why)  # fmt: skip
+        self._ended(NodeExit(node, None, lost=why, lost_after_stop=after_stop), now)
 
     def _ended(self, node_exit: NodeExit, now: float) -> None:
         if node_exit.lost and node_exit.node in self.remote_details:
@@ -446,18 +473,22 @@ class MultinodeSegment:
             reclaim_node(self.remote_details[node_exit.node])
         node_exit.seen = len(self.exits)
         self.exits[node_exit.node] = node_exit
-        failed = node_exit.lost or node_exit.returncode != 0
+        failed = node_exit.lost or (node_exit.returncode != 0 and not node_exit.never_started)
         if failed and self._first_failure is None and not node_exit.killed_after_peer:
             self._first_failure = now
-            if (
-                node_exit.returncode is not None
-                and _sigkilled(node_exit.returncode)
-                and not node_exit.signal_sent
-            ):
+            if is_lost(node_exit) and not node_exit.lost:
                 log.error(
-                    "segment %d: node %d lost: its agent was SIGKILLed from outside",
+                    "segment %d: node %d lost: its torchrun agent was SIGKILLed from outside",
                     self.segment,
                     node_exit.node,
+                )
+            elif _sigkilled(node_exit.returncode) and not node_exit.signal_sent:
+                log.warning(
+                    "segment %d: node %d: a rank was SIGKILLed under its live agent (agent exit %s): a failed "
+                    "rank, not a lost node",
+                    self.segment,
+                    node_exit.node,
+                    node_exit.agent_returncode,
                 )
             if len(self.exits) < self.options.nodes:
                 log.warning(
@@ -481,11 +512,12 @@ class MultinodeSegment:
             if node == 0:
                 self.local.kill()
                 info = self.local.wait(60.0)
-                self._ended(NodeExit(0, info.returncode, info.stderr_tail, info.stdout_tail, None,
-                                     info.duration_s, killed_after_peer=True), now)  # fmt: skip
+                self._ended(NodeExit(0, rank_returncode(info.returncode, info.stderr_tail), info.stderr_tail,
+                                     info.stdout_tail, None, info.duration_s, killed_after_peer=True,
+                                     agent_returncode=info.returncode), now)  # fmt: skip
             elif node not in self._peer_killed:
                 self._peer_killed.add(node)
-                self.launcher.order(node, "stop", grace=0.0, signal=int(signal.SIGKILL))
+                self.launcher.order(node, "stop", segment=self.segment, grace=0.0, signal=int(signal.SIGKILL))
 
     def _forward_log(self, node: int) -> None:
         """Pass the node's new output lines to the segment's sink, each marked with the node."""
@@ -517,10 +549,16 @@ class MultinodeSegment:
                 self.local.wait_exit(pause)
 
     def stop(self, grace_seconds: float, sig: int = signal.SIGTERM) -> None:
-        """Stop every node: order the followers, stop node 0 here, then wait for the followers' reports."""
-        self._signal_sent = sig
+        """Stop every node: order the followers, stop node 0 here, then wait for the followers' reports.
+
+        The nodes are read once first, so that a node lost before the stop is not excused by it.
+        """
+        with self._lock:
+            self._update(time.monotonic())
+            self._signal_sent = sig
+            self._stop_at = time.monotonic()
         for node in self.orders:
-            self.launcher.order(node, "stop", grace=grace_seconds, signal=int(sig))
+            self.launcher.order(node, "stop", segment=self.segment, grace=grace_seconds, signal=int(sig))
         self.local.stop(grace_seconds, sig)
         self.wait_exit(grace_seconds + self.options.node_timeout_seconds)
 

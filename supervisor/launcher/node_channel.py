@@ -2,7 +2,8 @@
 
     <dir>/owner.json          the owner's beat: {owner, pid, host, beats}
     <dir>/node-<k>/order.json what node k must do: {owner, seq, action: run|stop|exit, segment, command, ...}
-    <dir>/node-<k>/state.json what node k is doing: {owner, node, pid, host, beats, seq, segment, status, exit}
+    <dir>/node-<k>/state.json what node k is doing: {owner, node, pid, host, beats, seq, segment, status, agent,
+                              exit}; a restarted follower resumes from it
     <dir>/node-<k>/segment-<i>.log  its agent's output, one "stream: line" per line
 
 Each JSON file has one writer and is replaced atomically (temp file, rename), so a reader sees the old or the
