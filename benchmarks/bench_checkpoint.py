@@ -1,5 +1,6 @@
 """`rollback-supervisor bench checkpoint`: our store against torch.save/torch.load, one process, medians; with
-`--sharded`, FSDP2 on several ranks against DCP's save, async_save and load."""
+`--sharded`, FSDP2 on several ranks against DCP's save, async_save and load; with `--ddp-paths`, DDP's rank-0
+path against the sharded path."""
 
 from __future__ import annotations
 
@@ -41,15 +42,37 @@ def main(
         False, "--sharded", help="FSDP2 on --world-size ranks (torchrun): our sharded store against DCP."
     ),
     world_size: int | None = typer.Option(
-        None, "--world-size", help="Ranks of a --sharded run (default 2); cuda needs a GPU per rank."
+        None,
+        "--world-size",
+        help="Ranks of a --sharded or --ddp-paths run (default 2); cuda needs a GPU per rank.",
+    ),
+    ddp_paths: bool = typer.Option(
+        False,
+        "--ddp-paths",
+        help="DDP on --world-size ranks (torchrun, gloo): rank 0 alone writing against every rank writing a "
+        "share (sharded), saves and restores.",
     ),
 ) -> None:
     """Measure save, restore and dedup against torch.save/torch.load; print and optionally write JSON."""
     count = parse_params(params)
     if device not in ("cpu", "cuda"):
         raise BenchError(f"--device: expected cpu or cuda, got {device!r}")
-    if world_size is not None and not sharded:
-        raise BenchError(f"--world-size {world_size}: only a --sharded run has ranks; add --sharded")
+    if sharded and ddp_paths:
+        raise BenchError("--sharded and --ddp-paths: expected one of them, got both; run them one at a time")
+    if world_size is not None and not (sharded or ddp_paths):
+        raise BenchError(
+            f"--world-size {world_size}: only a --sharded run has ranks; add --sharded (or --ddp-paths)"
+        )
+    if ddp_paths:
+        from benchmarks.ddp_paths import check
+        from benchmarks.ddp_paths import run as run_ddp_paths
+
+        ranks = 2 if world_size is None else world_size
+        check(ranks, device)  # before a scratch directory or a process exists
+        with tempfile.TemporaryDirectory(dir=workdir, prefix="rbs-bench-ddp-paths-") as tmp:
+            result = run_ddp_paths(count, reps, ranks, Path(tmp))
+        typer.echo(write_json(result, json_path))
+        return
     if sharded:
         from benchmarks.sharded_checkpoint import check_device
         from benchmarks.sharded_checkpoint import run as run_sharded
