@@ -60,6 +60,13 @@ class CheckpointConfig(Spec):
         True, alias="async", description="Write checkpoints in the background while training continues."
     )
     memory_slots: int = Field(MEMORY_SLOTS, ge=1, description=MEMORY_SLOTS_DOC)
+    sharded: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Multi-process jobs: `auto` saves sharded (every rank its share, through DCP) a model with "
+        "DTensor parameters (FSDP2) and a DDP model of at least 50M parameters, where that path measured faster "
+        "(`bench checkpoint --ddp-paths`); `always` any model of a multi-process job; `never` keeps DDP on "
+        "rank 0's writer (an FSDP2 model is always sharded).",
+    )
     overlap: bool = Field(
         False,
         description="With async: copy parameters and optimizer state into host memory beside the next forward "
