@@ -88,9 +88,9 @@ class ShardedTrainingState:
         """(the optimizers, which tensors only their step changes): an overlapped snapshot copies those beside
         the next forward and backward, and the rest (module buffers, which a forward may update) at once."""
         buffers = {f"model.{b}" for b in buffer_names(self.model)}
-        return list(self.optimizers), lambda name: name.startswith(("model.", "optimizer.")) and (
-            name not in buffers
-        )
+        return list(
+            self.optimizers
+        ), lambda name: name.startswith(("model.", "optimizer.")) and (name not in buffers)
 
     def load(self, nested: dict[str, Any]) -> None:
         """Load what a restore rebuilt (tensors already filled in place) back into model and optimizers."""
@@ -180,9 +180,9 @@ class SessionShardedState:
         optimizers = self._optimizers()
         buffers = {f"{self.model_name}.{b}" for b in buffer_names(self.model)}
         prefixes = tuple(f"{n}." for n in [self.model_name, *optimizers])
-        return [self.state[n] for n in optimizers], lambda name: name.startswith(prefixes) and (
-            name not in buffers
-        )
+        return [
+            self.state[n] for n in optimizers
+        ], lambda name: name.startswith(prefixes) and (name not in buffers)
 
     def load(self, nested: dict[str, Any]) -> None:
         """Load what a restore rebuilt into every part, the counters and the extras."""

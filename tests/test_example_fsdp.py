@@ -22,13 +22,16 @@ SMALL = ["--batch-size", "8", "--data", str(REPO / "tests" / "data" / "corpus-30
 STEPS = 30
 
 
-def policy(tmp_path: Path) -> Path:
-    """The fast test policy, checkpointing every 10 steps, its rollback target any checkpoint before the NaN."""
+def policy(tmp_path: Path, extra: str = "") -> Path:
+    """The fast test policy, checkpointing every 10 steps (plus `extra` checkpoint keys), its rollback target any
+    checkpoint before the NaN."""
     text = FAST_POLICY.read_text()
     assert "every_steps: 20" in text and "lookback_steps: 20" in text
-    path = tmp_path / "fsdp-fast.yaml"
+    path = tmp_path / "fast-10.yaml"
     path.write_text(
-        text.replace("every_steps: 20", "every_steps: 10").replace("lookback_steps: 20", "lookback_steps: 0")
+        text.replace("every_steps: 20", "every_steps: 10" + extra).replace(
+            "lookback_steps: 20", "lookback_steps: 0"
+        )
     )
     return path
 
@@ -36,7 +39,10 @@ def policy(tmp_path: Path) -> Path:
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # real multi-process runs
 
 
-def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(prefect_harness, tmp_path: Path):
+def kill_then_nan(example: str, policy_path: Path, lineage: str, tmp_path: Path) -> None:
+    """`rollback-supervisor run` of `example` under torchrun (2 ranks): a SIGKILL of rank 1 at step 15 is
+    relaunched from the last sharded commit, a NaN at step 25 is rolled back in process on both ranks, and the
+    run finishes with every checkpoint sharded and verified."""
     from prefect.settings import PREFECT_API_URL
 
     env = {
@@ -47,9 +53,9 @@ def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(pre
         "ROLLBACK_SUPERVISOR_FAULTS": "kill@15:rank1,nan@25",
     }
     workdir = tmp_path / "w"
-    command = [*TORCHRUN, EXAMPLE, "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "1", *SMALL]
+    command = [*TORCHRUN, example, "--steps", str(STEPS), "--eval-every", "10", "--eval-batches", "1", *SMALL]
     proc = subprocess.run(
-        [str(CLI), "run", "--policy", str(policy(tmp_path)), "--lineage", "fsdp", "--workdir", str(workdir),
+        [str(CLI), "run", "--policy", str(policy_path), "--lineage", lineage, "--workdir", str(workdir),
          "--stop-grace", "10", "--", *command],
         cwd=tmp_path,
         env=env,
@@ -58,7 +64,7 @@ def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(pre
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rec = record(workdir, "fsdp")
+    rec = record(workdir, lineage)
     assert rec["status"] == "finished", rec["segments"][-1]
     killed, last = rec["segments"]
 
@@ -85,3 +91,7 @@ def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(pre
         [str(CLI), "checkpoints", "verify", str(checkpoints)], capture_output=True, text=True, timeout=60
     )
     assert verify.returncode == 0 and "INVALID" not in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(prefect_harness, tmp_path: Path):
+    kill_then_nan(EXAMPLE, policy(tmp_path), "fsdp", tmp_path)
