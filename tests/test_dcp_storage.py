@@ -324,3 +324,24 @@ def test_an_unexpected_error_inside_a_save_is_logged_with_its_traceback(tmp_path
     assert "failed with ZeroDivisionError: boom in before_commit" in logged
     assert "in explode" in logged and "test_dcp_storage.py" in logged  # the frame that raised
     assert open_store(tmp_path / "store").list() == []
+
+
+def test_a_state_the_store_cannot_keep_is_refused_at_an_async_save_and_the_save_fails_in_step(tmp_path):
+    """A user's mistake is raised at once (exit 2 through the Session), while the save itself still runs its
+    collectives as a failed save, so that other ranks are never left waiting in it."""
+    from supervisor.errors import BackgroundSaveError, UnsupportedStateError
+
+    class Unkeepable(ShardedTrainingState):
+        def rank_state(self):
+            raise UnsupportedStateError("ranks.data.sampler", lambda: None)
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ShardedCheckpoints(tmp_path / "store") as ckpts:
+        with pytest.raises(UnsupportedStateError, match="ranks.data.sampler: expected a tensor"):
+            ckpts.save(1, Unkeepable(model, opt), blocking=False)
+        with pytest.raises(BackgroundSaveError, match="could not be prepared: UnsupportedStateError"):
+            ckpts.wait()
+        assert ckpts.save(2, ShardedTrainingState(model, opt), blocking=False) is not None
+        ckpts.wait()
+        assert [i.step for i in ckpts.catalog.list()] == [2]

@@ -55,6 +55,7 @@ from supervisor.errors import (
     CheckpointError,
     CheckpointNotFound,
     SupervisorError,
+    UserError,
 )
 from supervisor.flatten import unflatten
 
@@ -344,6 +345,8 @@ class ShardedCheckpoints:
                     pass  # every rank has it now; this rank raises its own cause
                 raise
             self._writer.submit(cid, self._write_failure, cid, step, job, exc, self._count)
+            if isinstance(exc, UserError):  # the script's mistake (a state the store cannot keep): say so now
+                raise
             return cid
         except BaseException:
             if not blocking:
