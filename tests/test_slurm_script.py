@@ -110,7 +110,10 @@ def test_the_policy_section_builds_the_launcher(tmp_path):
 
 
 BAD = [
-    ("launcher: {type: pbs}\n", '4:18: launcher.type: expected one of local, slurm, kubernetes, got "pbs"'),
+    (
+        "launcher: {type: pbs}\n",
+        '4:18: launcher.type: expected one of local, torchrun, slurm, kubernetes, got "pbs"',
+    ),
     (
         "launcher: {slurm: {nodes: 2}}\n",
         "4:11: launcher.type: expected slurm (a `slurm:` section is given), got",

@@ -45,7 +45,7 @@ from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
 from supervisor.runtime.seams import CheckpointReader, Collective, Outputs
-from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target, shards
+from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
@@ -128,8 +128,7 @@ class TrainingCore:
         self.failures = SaveFailures(reporter, outputs)
         self.rollback = InProcessRollback(policy, history, self.failures, reporter)
         self.resources.checkpoints.dist = dist  # a sharded store restores and rolls back with every rank
-        self._distributed = dist is not None
-        self._sharded_mode = getattr(ck, "sharded", "auto")
+        self.resources.checkpoints.sharded_mode = ck.sharded
         self._saver = Saver(state, self.registered, outputs, self.failures, dist)
         self._restorer = PlanRestore(self.registered, outputs, plan.checkpoint_dir, dist)
         # The fault drill listens to steps (and optimizer steps); it decides nothing.
@@ -185,16 +184,13 @@ class TrainingCore:
         after the optimizer's pre-step hooks, so the drill's gradient faults wait for `gradients_ready()`.
         """
         drill_before = None if grads_in_closure else self.gradients_ready
-        if self._shards(obj):
+        if self.resources.checkpoints.shards(obj, dtensor=_is_sharded(obj)):
             # Every rank saves and restores its own shards; nothing is gathered, the per-rank state included
             # (it goes into each rank's ranks.<r>.json), so the saver gets no collective.
             self.resources.checkpoints.use_sharded(ShardedModel(name, self.registered.rank_parts))
             self._saver = Saver(self.state, self.registered, self.outputs, self.failures, None)
-            why = (
-                "it has DTensor parameters"
-                if _is_sharded(obj)
-                else f"checkpoint.sharded: {self._sharded_mode}"
-            )
+            mode = self.resources.checkpoints.sharded_mode
+            why = "it has DTensor parameters" if _is_sharded(obj) else f"checkpoint.sharded: {mode}"
             log.info("%r: sharded checkpoints (%s), every rank writes its own share", name, why)
         self.registered.add(
             self.state,
@@ -202,21 +198,6 @@ class TrainingCore:
             obj,
             before_step=drill_before,
             after_step=lambda opt: self._drill.after_optimizer_step([opt]),
-        )
-
-    def _shards(self, obj: Any) -> bool:
-        """Whether `obj` is the model sharded checkpoints go through (the first one that qualifies)."""
-        if self.resources.checkpoints.sharded is not None or not hasattr(obj, "parameters"):
-            return False
-        import torch
-
-        if not isinstance(obj, torch.nn.Module):
-            return False
-        return shards(
-            self._sharded_mode,
-            dtensor=_is_sharded(obj),
-            distributed=self._distributed,
-            params=sum(p.numel() for p in obj.parameters()),
         )
 
     def gradients_ready(self, optimizer: Any) -> None:

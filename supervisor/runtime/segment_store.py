@@ -75,8 +75,25 @@ class SegmentStore:
         self.writer: CheckpointStore | None = None
         self.reader: CheckpointReader | None = None
         self.sharded: ShardedModel | None = None
+        #: The policy's `checkpoint.sharded`: which models of a multi-process job go through sharded checkpoints.
+        self.sharded_mode = "auto"
         #: The segment's collective under torchrun (None alone): a sharded store's rank 0 names its choices with it.
         self.dist: Collective | None = None
+
+    def shards(self, obj: Any, *, dtensor: bool) -> bool:
+        """Whether registering `obj` makes it the model sharded checkpoints go through (the first that qualifies)."""
+        if self.sharded is not None or not hasattr(obj, "parameters"):
+            return False
+        import torch
+
+        if not isinstance(obj, torch.nn.Module):
+            return False
+        return shards(
+            self.sharded_mode,
+            dtensor=dtensor,
+            distributed=self.dist is not None,
+            params=sum(p.numel() for p in obj.parameters()),
+        )
 
     def use_sharded(self, model: ShardedModel) -> None:
         """Save and restore through every rank's shards (a model with DTensor parameters was registered)."""
