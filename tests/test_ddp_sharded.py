@@ -11,7 +11,7 @@ import pytest
 
 from supervisor.runtime.segment_store import shards
 from tests.conftest import REPO
-from tests.test_example_fsdp import kill_then_nan, policy
+from tests.test_example_fsdp import assert_kill_then_nan, policy
 
 
 @pytest.mark.e2e
@@ -20,7 +20,7 @@ def test_ddp_on_the_sharded_path_resumes_a_killed_rank_then_rolls_back_a_nan_in_
     prefect_harness, tmp_path: Path
 ):
     example = str(REPO / "examples" / "charlm.py")
-    kill_then_nan(example, policy(tmp_path, "\n  sharded: always"), "ddp-sharded", tmp_path)
+    assert_kill_then_nan(example, policy(tmp_path, "\n  sharded: always"), "ddp-sharded", tmp_path)
 
 
 @pytest.mark.parametrize(

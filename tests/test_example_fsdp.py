@@ -39,7 +39,7 @@ def policy(tmp_path: Path, extra: str = "") -> Path:
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # real multi-process runs
 
 
-def kill_then_nan(example: str, policy_path: Path, lineage: str, tmp_path: Path) -> None:
+def assert_kill_then_nan(example: str, policy_path: Path, lineage: str, tmp_path: Path) -> None:
     """`rollback-supervisor run` of `example` under torchrun (2 ranks): a SIGKILL of rank 1 at step 15 is
     relaunched from the last sharded commit, a NaN at step 25 is rolled back in process on both ranks, and the
     run finishes with every checkpoint sharded and verified."""
@@ -94,4 +94,4 @@ def kill_then_nan(example: str, policy_path: Path, lineage: str, tmp_path: Path)
 
 
 def test_fsdp_example_resumes_a_killed_rank_then_rolls_back_a_nan_in_process(prefect_harness, tmp_path: Path):
-    kill_then_nan(EXAMPLE, policy(tmp_path), "fsdp", tmp_path)
+    assert_kill_then_nan(EXAMPLE, policy(tmp_path), "fsdp", tmp_path)
