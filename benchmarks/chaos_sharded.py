@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import time
 from collections import Counter
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BenchRunError, ForkServer, child_env, machine
+from benchmarks.common import BenchRunError, ForkServer, child_env, free_port, machine
 from supervisor.checkpoint.dcp_writer import PHASES
 
 #: Phases only the coordinating rank (0) reaches; the other two are reached by every rank.
@@ -56,12 +55,6 @@ class Zygote(ForkServer[list[str]]):
     def parse(self, arrived: float, line: str) -> list[str]:
         """[rank, what, step, time, ...]."""
         return line.split(" ", 5)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kill_plan(rounds: int, rng: random.Random) -> list[dict[str, Any]]:

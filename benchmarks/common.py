@@ -181,3 +181,38 @@ def write_json(result: dict[str, Any], path: Path | None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
     return text
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a torchrun rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_torchrun(child: Path, args: list[str], world_size: int, timeout_s: float, what: str) -> float:
+    """Run `world_size` ranks of `child` (with `args`) under torchrun on 127.0.0.1 and a free port; returns
+    the monotonic time of the exec (a relaunch's clock starts there). BenchRunError with the output's tail."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={world_size}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(child),
+        *args,
+    ]
+    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    t_exec = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        raise BenchRunError(f"{what}: torchrun ran past {timeout_s:.0f} s") from exc
+    if done.returncode != 0:
+        tail = (done.stdout[-2000:] + done.stderr[-4000:]).strip()
+        raise BenchRunError(f"{what}: torchrun exited {done.returncode}:\n{tail}")
+    return t_exec

@@ -12,13 +12,10 @@ import json
 import logging
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, BenchError, BenchRunError, child_env, machine
-from benchmarks.sharded_checkpoint import free_port
+from benchmarks.common import BenchError, BenchRunError, machine, run_torchrun
 
 log = logging.getLogger("rollback_supervisor.bench")
 CHILD = Path(__file__).resolve().parent / "ddp_paths_child.py"
@@ -64,26 +61,7 @@ def check(world_size: int, device: str) -> None:
 
 
 def torchrun(world_size: int, config: Path, timeout_s: float) -> None:
-    """Run `world_size` ranks of the child on 127.0.0.1 and a free port; BenchRunError with the output's tail."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc_per_node={world_size}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(CHILD),
-        str(config),
-    ]
-    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    try:
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise BenchRunError(f"ddp-paths benchmark: torchrun ran past {timeout_s:.0f} s") from exc
-    if done.returncode != 0:
-        tail = (done.stdout[-2000:] + done.stderr[-4000:]).strip()
-        raise BenchRunError(f"ddp-paths benchmark: torchrun exited {done.returncode}:\n{tail}")
+    run_torchrun(CHILD, [str(config)], world_size, timeout_s, "ddp-paths benchmark")
 
 
 def verdict(rank0: list[float], sharded: list[float]) -> dict[str, Any]:

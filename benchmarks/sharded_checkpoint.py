@@ -14,15 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, BenchError, BenchRunError, child_env, machine, target
+from benchmarks.common import BenchError, BenchRunError, machine, run_torchrun, target
 
 log = logging.getLogger("rollback_supervisor.bench")
 CHILD = Path(__file__).resolve().parent / "sharded_child.py"
@@ -70,37 +67,9 @@ def check_device(device: str, world_size: int) -> None:
             )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def torchrun(world_size: int, mode: str, config: Path, timeout_s: float) -> float:
-    """Run `world_size` ranks of the child on 127.0.0.1 and a free port; returns the monotonic time of the
-    exec (the relaunch clock starts there). BenchRunError with the output's tail when it fails."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc_per_node={world_size}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(CHILD),
-        mode,
-        str(config),
-    ]
-    env = child_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    t_exec = time.monotonic()
-    try:
-        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        raise BenchRunError(f"sharded benchmark ({mode}): torchrun ran past {timeout_s:.0f} s") from exc
-    if done.returncode != 0:
-        tail = (done.stdout[-2000:] + done.stderr[-4000:]).strip()
-        raise BenchRunError(f"sharded benchmark ({mode}): torchrun exited {done.returncode}:\n{tail}")
-    return t_exec
+    """The child's `mode` on `world_size` ranks; the monotonic time of the exec."""
+    return run_torchrun(CHILD, [mode, str(config)], world_size, timeout_s, f"sharded benchmark ({mode})")
 
 
 def _slowest(per_rank: list[list[float]]) -> list[float]:
