@@ -2,7 +2,7 @@
 rendezvous on 127.0.0.1, node 0's run by the supervisor (the owner), node 1's by a follower the owner started.
 
 The end-to-end test runs the real `LineageRunner` with the launcher a policy's `launcher: {type: torchrun,
-torchrun: {nodes: 2}}` builds, on the FSDP2 Session child, one rank per node (the machine has 2 cores). It
+torchrun: {nodes: 2, nproc_per_node: 2}}` builds, on the FSDP2 Session child over 4 ranks. It
 SIGKILLs node 1 (its agent's process group and each rank's, which torchrun starts in sessions of their own)
 after the step-20 checkpoint: node 0's ranks fail in their next collective, the owner records one event (a lost
 node) and one decision (resume), relaunches both nodes from step 20, and the finish is bit-identical to an
@@ -45,6 +45,7 @@ from tests.flowkit import FAST_POLICY
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "sharded_workers" / "multinode_child.py"
 STEPS = 30  # the fast policy checkpoints every 20 steps
+WORLD = 4  # 2 nodes of 2 ranks
 PAUSE = 25  # node 1 stops here (after the step-20 checkpoint) and is killed
 
 
@@ -161,13 +162,13 @@ def test_policy_section_asks_for_nodes_and_is_checked(tmp_path: Path):
 
 
 def write_policy(path: Path, port: int) -> Path:
-    """The fast test policy, with every segment on 2 nodes of 1 rank each."""
+    """The fast test policy, with every segment on 2 nodes of 2 ranks each (4 ranks on the 2 cores)."""
     text = FAST_POLICY.read_text() + (
         "launcher:\n"
         "  type: torchrun\n"
         "  torchrun:\n"
         "    nodes: 2\n"
-        "    nproc_per_node: 1\n"
+        "    nproc_per_node: 2\n"
         f"    rdzv_endpoint: 127.0.0.1:{port}\n"
         "    node_timeout_seconds: 10\n"
         "    peer_exit_grace_seconds: 10\n"
@@ -245,7 +246,7 @@ def supervise(
 def finished(out: Path) -> dict[str, Any]:
     return {
         "tensors": load_file(out / "final.safetensors"),
-        "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)],
+        "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)],
     }
 
 
@@ -306,6 +307,7 @@ def test_sigkill_of_a_whole_node_relaunches_every_node_from_the_last_commit_bit_
     )
 
     # Nothing is left running: the killed node, the relaunched agents, the followers (closed with the runner).
+    assert len(killed["ranks"]) == WORLD // 2  # the whole node: its agent and both its ranks
     assert not any(alive_pid(pid) for pid in [killed["agent"], *killed["ranks"]])
     assert killed["followers"] == {1: 0}  # each told to exit, and it did
 
@@ -313,7 +315,7 @@ def test_sigkill_of_a_whole_node_relaunches_every_node_from_the_last_commit_bit_
     a, b = finished(clean_out), finished(out)
     assert b["tensors"].keys() == a["tensors"].keys() and len(a["tensors"]) > 10
     assert [k for k in a["tensors"] if not torch.equal(a["tensors"][k], b["tensors"][k])] == []
-    for rank in (0, 1):
+    for rank in range(WORLD):
         for key in ("step", "next_batch", "draw"):
             assert b["ranks"][rank][key] == a["ranks"][rank][key], (rank, key)
 

@@ -20,6 +20,11 @@ _PATTERN_TYPES = frozenset(PROCESS_EVENTS - {"hang"})
 _EXCEPTION_LINE = re.compile(
     r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))\b(?::\s*(.*))?$", re.MULTILINE
 )
+#: Python's faulthandler on a fatal signal (PYTHONFAULTHANDLER, which the runner sets): the error, then the
+#: crashing thread's stack, innermost frame first. A launcher may prefix each line (torchrun's `[rank]:`).
+_FATAL_ERROR = re.compile(r"Fatal Python error: ([^\n]+)")
+_CRASHING_THREAD = re.compile(r"Current thread 0x[0-9a-fA-F]+ [^\n]*\(most recent call first\):")
+_FRAME = re.compile(r'^\S*?\s*File "([^"]+)", line (\d+) in (\S+)\s*$')
 #: torchrun's report lists, under "Failures:", the ranks it tore down itself (SIGTERM) after the root cause;
 #: those are consequences, so only the "Root Cause (first observed failure)" block says why the job ended.
 _TORCHRUN_TORN_DOWN = re.compile(
@@ -91,6 +96,28 @@ def _line_at(text: str, index: int) -> str:
     return text[start : end if end >= 0 else len(text)].strip()[:400]
 
 
+def _fatal(text: str) -> dict[str, Any]:
+    """What faulthandler printed for the last fatal signal: the error and the crashing thread's frames,
+    innermost first (at most 8)."""
+    errors = _FATAL_ERROR.findall(text)
+    if not errors:
+        return {}
+    found: dict[str, Any] = {"fatal_error": errors[-1].strip()[:200]}
+    threads = list(_CRASHING_THREAD.finditer(text))
+    if threads:
+        frames = []
+        for line in text[threads[-1].end() :].splitlines()[1:]:
+            frame = _FRAME.match(line)
+            if frame is None:
+                break
+            frames.append(f"{frame[1]}:{frame[2]} in {frame[3]}"[:400])
+            if len(frames) == 8:
+                break
+        if frames:
+            found["fatal_stack"] = frames
+    return found
+
+
 def _exception(text: str) -> str | None:
     found = _EXCEPTION_LINE.findall(text)
     if not found:
@@ -146,10 +173,12 @@ def classify_exit(
         candidates = [c for c in candidates if c[2]["type"] != "preemption"]
         if stop_seen is not None and all(c[0] <= stop_seen for c in candidates):
             return None
-    evidence = {**base, "exception": _exception(text)}
+    evidence = {**base, "exception": _exception(text), **_fatal(text)}
     if cgroup_oom_kills is not None:
         evidence["cgroup_oom_kills"] = cgroup_oom_kills
     status = f"signal {sig.name}" if sig else f"exit code {returncode}"
+    if "fatal_stack" in evidence:  # where it crashed, in the reason every report shows
+        status += f" at {evidence['fatal_stack'][0]}"
     if not candidates:
         return Event(
             type="unknown_exit",

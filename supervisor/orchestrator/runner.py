@@ -55,6 +55,10 @@ from supervisor.tracking import (
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
 
+#: Set to 1 in every segment unless the user set it: Python then prints each thread's stack on SIGSEGV,
+#: SIGFPE, SIGABRT, SIGBUS and SIGILL, and the lineage record shows where a crash happened.
+FAULTHANDLER_ENV = "PYTHONFAULTHANDLER"
+
 #: Called after each segment's decision (None: the training ended by itself) with the record as it stands;
 #: returning an Outcome ends the lineage there (a caller's own budget), None lets the policy go on.
 OnDecision = Callable[[Decision | None, LineageRecord], Outcome | None]
@@ -306,7 +310,10 @@ class LineageRunner:
         plan = self._plan(index)
         plan_path = plan.write(self.layout.local / f"plan-{index}.json")
         o = self.options
-        env = {**o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}  # on top of ours (inherit_env)
+        # On top of ours (inherit_env). A fatal signal dumps the stack (the classifier reads the crashing
+        # frame) unless the user set PYTHONFAULTHANDLER themselves (empty turns it off).
+        dump = {} if FAULTHANDLER_ENV in os.environ or FAULTHANDLER_ENV in o.env else {FAULTHANDLER_ENV: "1"}
+        env = {**dump, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
         command, launcher = o.command, self._launcher()
 
         def open_watcher() -> Any:
