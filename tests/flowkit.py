@@ -82,3 +82,25 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         for name, tensor in entry.items():
             other = b["optimizer"]["state"][pid][name]
             assert torch.equal(torch.as_tensor(tensor), torch.as_tensor(other)), (pid, name)
+
+
+def stored_state(checkpoint_dir: Path, checkpoint_id: str) -> dict[str, Any]:
+    """Everything a checkpoint stores, as restored into a bare state (nothing registered; read-only, and the
+    calling process's RNG streams are left as they were): model, optimizer, RNG, "ranks", ..."""
+    from supervisor.checkpoint import open_store
+    from supervisor.checkpoint.restore import restore_local
+    from supervisor.state import TrainingState, capture_rng, restore_rng
+
+    seen: dict[str, Any] = {}
+
+    class Probe(TrainingState):
+        def load_state_dict(self, nested, *, prefixes=None):
+            seen.update(nested)
+
+    saved_rng = capture_rng()
+    try:
+        catalog = open_store(checkpoint_dir)
+        restore_local(catalog, catalog.manifest(checkpoint_id), Probe(), None, "full")
+    finally:
+        restore_rng(saved_rng)
+    return seen

@@ -18,7 +18,15 @@ import torch
 
 from supervisor.runtime.faults import Fault, fired_path_for, parse_faults
 from supervisor.runtime.plan import PLAN_ENV
-from tests.flowkit import CHARLM, FAST_POLICY, assert_same_state, history, live_series, record
+from tests.flowkit import (
+    CHARLM,
+    FAST_POLICY,
+    assert_same_state,
+    history,
+    live_series,
+    record,
+    stored_state,
+)
 
 STEPS = 60
 BATCH = 8
@@ -70,23 +78,7 @@ def load_rank(checkpoint_dir: Path, checkpoint_id: str, rank: int) -> dict[str, 
 
 def stored_ranks(checkpoint_dir: Path, checkpoint_id: str) -> dict[str, Any]:
     """The `ranks` subtree of a checkpoint as stored (read with a bare state, nothing registered)."""
-    from supervisor.checkpoint import open_store
-    from supervisor.checkpoint.restore import restore_local
-    from supervisor.state import TrainingState, capture_rng, restore_rng
-
-    seen: dict[str, Any] = {}
-
-    class Probe(TrainingState):
-        def load_state_dict(self, nested, *, prefixes=None):
-            seen.update(nested)
-
-    saved_rng = capture_rng()
-    try:
-        catalog = open_store(checkpoint_dir)
-        restore_local(catalog, catalog.manifest(checkpoint_id), Probe(), None, "full")
-    finally:
-        restore_rng(saved_rng)
-    return seen["ranks"]
+    return stored_state(checkpoint_dir, checkpoint_id)["ranks"]
 
 
 def training_processes(workdir: Path) -> list[psutil.Process]:

@@ -59,7 +59,15 @@ def test_the_event_names_the_crashing_threads_frames_innermost_first(tmp_path: P
     assert "string_at" in stack[0]  # innermost: where the signal hit
     assert stack[1] == f"{tmp_path / 'crasher.py'}:7 in crash_in_here"  # the crashing thread, not the sleeper
     assert stack[2].endswith(" in <module>") and len(stack) == 3
-    assert f"signal SIGSEGV at {stack[0]}" in event.reason
+    assert f"signal SIGSEGV at {stack[1]}" in event.reason  # the innermost frame of the user's own code
+
+
+def test_a_dump_in_the_tail_is_not_blamed_for_a_sigkill():
+    """A rank torn down after another one crashed: the SIGKILLed one's reason names no frame of the other's."""
+    text = 'Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n  File "/x/a.py", line 1 in f\n'
+    event = classify_exit(-signal.SIGKILL, text)
+    assert event is not None and event.evidence["fatal_stack"] == ["/x/a.py:1 in f"]
+    assert " at /x/a.py" not in event.reason
 
 
 def test_without_faulthandler_there_is_nothing_to_report_and_nothing_is_made_up(tmp_path: Path):

@@ -156,34 +156,15 @@ class Standby:
         self.park_point = options.park
         self.discarded = False
         self._on_unparked = on_unparked
-        plan_r, self._plan_w = os.pipe()
-        ready_r, ready_w = os.pipe()
         config: dict[str, Any] = {
             "target": [target.kind, target.name],
             "imports": list(options.imports),
             "torch": options.torch,
-            "plan_fd": plan_r,
-            "ready_fd": ready_w,
         }
         if self.park_point == "plan":  # runs the script: its arguments now, no per-segment variable at all
             config.update(park="plan", argv=list(self.argv))
             env = base_env(env)
-        try:
-            self.proc = subprocess.Popen(
-                [target.interpreter, *target.flags, "-c", BOOTSTRAP, CHILD, json.dumps(config)],
-                env=env,
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a segment's own process group, as LocalLauncher gives it
-                text=True,
-                errors="replace",
-                bufsize=1,
-                pass_fds=(plan_r, ready_w),
-            )
-        finally:
-            os.close(plan_r)
-            os.close(ready_w)
+        self.proc = self._spawn(config, env, cwd)
         self.pid = self.proc.pid
         self.started = time.monotonic()
         self._out_lock = threading.Lock()
@@ -192,7 +173,7 @@ class Standby:
         self.segment = LocalSegment(self.proc, on_line=self._line, tail_lines=tail_lines).start()
         self.report: dict[str, Any] | None = None
         self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read_report, args=(ready_r,), daemon=True)
+        self._reader = threading.Thread(target=self._watch_report, daemon=True)
         self._reader.start()
         self._deadline: threading.Timer | None = None
         if self.park_point == "plan":
@@ -207,6 +188,66 @@ class Standby:
             "first load_plan" if self.park_point == "plan" else "imports",
         )
 
+    # -- how the process is started and talked to: two pipes (`TorchrunStandby` overrides these) ---------
+
+    def _spawn(self, config: dict[str, Any], env: dict[str, str], cwd: str) -> subprocess.Popen:
+        """Start the parked process: `python [flags] -c BOOTSTRAP standby_child.py <config>`, with the plan
+        pipe's read end and the ready pipe's write end passed to it."""
+        plan_r, self._plan_w = os.pipe()
+        self._ready_r, ready_w = os.pipe()
+        config = {**config, "plan_fd": plan_r, "ready_fd": ready_w}
+        try:
+            return subprocess.Popen(
+                [self.target.interpreter, *self.target.flags, "-c", BOOTSTRAP, CHILD, json.dumps(config)],
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a segment's own process group, as LocalLauncher gives it
+                text=True,
+                errors="replace",
+                bufsize=1,
+                pass_fds=(plan_r, ready_w),
+            )
+        except BaseException:
+            os.close(self._plan_w)
+            os.close(self._ready_r)
+            raise
+        finally:
+            os.close(plan_r)
+            os.close(ready_w)
+
+    def _receive_report(self) -> dict[str, Any] | None:
+        """Block until the parked process reports (its imports done); None if it exited first."""
+        with os.fdopen(self._ready_r, "r") as ready:
+            line = ready.readline()
+        try:
+            return json.loads(line) if line else None
+        except ValueError:
+            return None
+
+    def _send_plan(self, message: dict[str, Any]) -> None:
+        try:
+            with os.fdopen(self._plan_w, "wb") as pipe:
+                pipe.write(json.dumps(message).encode() + b"\n")
+        except BrokenPipeError:  # it died between the check and now: the segment's exit says so
+            pass
+
+    def _close_channel(self) -> None:
+        """Tell a parked process it will never get a plan (it exits quietly)."""
+        try:
+            os.close(self._plan_w)
+        except OSError:
+            pass
+
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ----------------------------------------------------------------------------------------------------
+
     def _overdue(self) -> None:
         if self.report is None and not self.discarded and self._on_unparked is not None:
             self._on_unparked(
@@ -220,13 +261,8 @@ class Standby:
                 return
             self._sink(stream, line)
 
-    def _read_report(self, fd: int) -> None:
-        with os.fdopen(fd, "r") as ready:
-            line = ready.readline()
-        try:
-            self.report = json.loads(line) if line else None
-        except ValueError:
-            self.report = None
+    def _watch_report(self) -> None:
+        self.report = self._receive_report()
         if self._deadline is not None:
             self._deadline.cancel()
         self._ready.set()
@@ -293,12 +329,7 @@ class Standby:
             self._held.clear()
             self._sink = sink
         self.segment.restart_clock()
-        message = json.dumps({"argv": list(argv), "cwd": cwd, "env": env}).encode() + b"\n"
-        try:
-            with os.fdopen(self._plan_w, "wb") as pipe:
-                pipe.write(message)
-        except BrokenPipeError:  # it died between the check and now: the segment's exit says so
-            pass
+        self._send_plan({"argv": list(argv), "cwd": cwd, "env": env})
         return self.segment
 
     def rss_bytes(self) -> int | None:
@@ -314,14 +345,8 @@ class Standby:
         self.discarded = True
         if self._deadline is not None:
             self._deadline.cancel()
-        try:
-            os.close(self._plan_w)
-        except OSError:
-            pass
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._close_channel()
+        self._kill()
         try:
             self.segment.wait(10)  # reaps it; its output readers end at the pipes' end of file
         except TimeoutError:
@@ -386,7 +411,16 @@ class StandbyLauncher:
             "the script up to its plan" if parked.park_point == "plan" else "imports",
             parked.report["imports_s"] if parked.report else float("nan"),
         )
-        return parked.activate(argv, env, cwd, on_line)
+        return self._activated(parked.activate(argv, env, cwd, on_line), parked)
+
+    def _activated(self, segment: LocalSegment, standby: Standby) -> SegmentHandle:
+        """The handle of a segment started in `standby` (`TorchrunStandbyLauncher` wraps it)."""
+        return segment
+
+    def _new_standby(
+        self, target: Target, env: dict[str, str], cwd: str, options: StandbyOptions, argv: tuple[str, ...]
+    ) -> Standby:
+        return Standby(target, env, cwd, options, self.inner.tail_lines, argv, on_unparked=self._unparked)
 
     def _schedule(self, target: Target, env: dict[str, str], cwd: str, argv: tuple[str, ...]) -> None:
         with self._lock:
@@ -419,9 +453,7 @@ class StandbyLauncher:
             old.discard("replaced by a newer standby")
         options = dataclasses.replace(self.options, park=self.park_point)
         try:
-            self._parked = Standby(
-                target, env, cwd, options, self.inner.tail_lines, argv, on_unparked=self._unparked
-            )
+            self._parked = self._new_standby(target, env, cwd, options, argv)
         except OSError as exc:  # cannot start one: the next relaunch starts cold, as without the standby
             log.warning("could not start a standby of %s: %s", target.name, exc)
         self._spawned.notify_all()

@@ -201,15 +201,75 @@ class _WatchedEnviron(os._Environ):  # type: ignore[name-defined]
         return super().__contains__(key)
 
 
-def _write_ready(fd: int, report: dict) -> None:
-    with os.fdopen(fd, "w") as ready:
-        ready.write(json.dumps(report) + "\n")
+def _ranked(config: dict) -> bool:
+    """Whether this is one rank of a parked torchrun agent: it talks through files, not pipes."""
+    return "channel_dir" in config
 
 
-def _read_plan(fd: int) -> dict | None:
-    with os.fdopen(fd, "rb") as plan_pipe:
-        line = plan_pipe.readline()
-    return json.loads(line) if line else None
+def _channel_file(config: dict, name: str) -> str:
+    return os.path.join(config["channel_dir"], f"{name}-{os.environ.get('LOCAL_RANK', '0')}.json")
+
+
+def _write_ready(config: dict, report: dict) -> None:
+    if not _ranked(config):
+        with os.fdopen(config["ready_fd"], "w") as ready:
+            ready.write(json.dumps(report) + "\n")
+        return
+    path = _channel_file(config, "ready")
+    report = {**report, "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK")}
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+#: How often a parked rank looks for its plan file: the latency it adds to a relaunch, for a fraction of a
+#: percent of a core while parked.
+PLAN_POLL_S = 0.01
+
+
+def _read_plan(config: dict) -> dict | None:
+    """The plan, or None: the standby was discarded, or the supervisor that started it is gone."""
+    if not _ranked(config):
+        with os.fdopen(config["plan_fd"], "rb") as plan_pipe:
+            line = plan_pipe.readline()
+        return json.loads(line) if line else None
+    path, gone = _channel_file(config, "plan"), os.path.join(config["channel_dir"], "discard")
+    supervisor, agent, checked = config["supervisor_pid"], os.getppid(), time.monotonic()
+    while True:
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                return json.loads(f.read())
+        if os.path.exists(gone) or os.getppid() != agent:  # discarded, or the torchrun agent is gone
+            return None
+        if time.monotonic() - checked > 1.0:
+            if not _alive(supervisor):
+                return None
+            checked = time.monotonic()
+        time.sleep(PLAN_POLL_S)
+
+
+def _enter_segment(config: dict, plan: dict) -> None:
+    """Take on the segment's environment: all of it from a pipe; from a file (a torchrun rank) only the
+    per-segment variables, since the rest is torchrun's own for this rank and the base the supervisor checked."""
+    if plan.get("cwd"):
+        os.chdir(plan["cwd"])
+    if not _ranked(config) and config.get("park") != "plan":
+        os.environ.clear()
+        os.environ.update(plan["env"])
+        return
+    for key in [k for k in os.environ if k.startswith(PER_SEGMENT_PREFIX)]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in plan["env"].items() if k.startswith(PER_SEGMENT_PREFIX)})
 
 
 def park_at_plan(config: dict) -> None:
@@ -231,15 +291,13 @@ def park_at_plan(config: dict) -> None:
             "early_reads": list(_WatchedEnviron.early_reads),
             "files": code_files([file] if file else []),
         }
-        _write_ready(config["ready_fd"], report)
-        plan = _read_plan(config["plan_fd"])
+        _write_ready(config, report)
+        plan = _read_plan(config)
         if plan is None:  # discarded unused, or the supervisor went away: nothing of the script's may run on
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        for key in [k for k in os.environ if k.startswith(PER_SEGMENT_PREFIX)]:
-            del os.environ[key]
-        os.environ.update({k: v for k, v in plan["env"].items() if k.startswith(PER_SEGMENT_PREFIX)})
+        _enter_segment(config, {**plan, "cwd": None})  # the script may have changed directory itself
 
     hook = types.ModuleType(PARK_MODULE)
     hook.wait = wait  # type: ignore[attr-defined]
@@ -248,26 +306,21 @@ def park_at_plan(config: dict) -> None:
     run_target(kind, argv)
 
 
-def main() -> None:
-    config = json.loads(sys.argv[2])
+def main(config: dict) -> None:
     if config.get("park") == "plan":
         park_at_plan(config)
         return
     report, _ = park(config)
-    with os.fdopen(config["ready_fd"], "w") as ready:
-        ready.write(json.dumps(report) + "\n")
-    with os.fdopen(config["plan_fd"], "rb") as plan_pipe:
-        line = plan_pipe.readline()
-    if not line:
-        sys.exit(0)  # the supervisor closed the pipe: discarded unused
-    plan = json.loads(line)
-    if plan.get("cwd"):
-        os.chdir(plan["cwd"])
-    os.environ.clear()
-    os.environ.update(plan["env"])
+    _write_ready(config, report)
+    plan = _read_plan(config)
+    if plan is None:
+        sys.exit(0)  # discarded unused, or the supervisor went away
+    _enter_segment(config, plan)
     kind, name = config["target"]
     run_target(kind, [name, *plan["argv"]])
 
 
-if __name__ == "__rbs_standby__":
-    main()
+if __name__ == "__rbs_standby__":  # python -c BOOTSTRAP <this file> <config>
+    main(json.loads(sys.argv[2]))
+elif __name__ == "__main__":  # a torchrun rank: python -u <this file> <config>
+    main(json.loads(sys.argv[1]))

@@ -96,6 +96,19 @@ def _line_at(text: str, index: int) -> str:
     return text[start : end if end >= 0 else len(text)].strip()[:400]
 
 
+#: The signals faulthandler dumps a stack for (a SIGKILL's evidence may hold another rank's dump).
+_FAULTHANDLER_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGABRT, signal.SIGILL}
+)
+_LIBRARY_FRAME = re.compile(r"[\\/](?:site-packages|dist-packages|lib[\\/]python\d[\d.]*)[\\/]")
+
+
+def _own_frame(stack: list[str]) -> str:
+    """The innermost frame outside the standard library and installed packages (the user's code), else the
+    innermost."""
+    return next((frame for frame in stack if not _LIBRARY_FRAME.search(frame)), stack[0])
+
+
 def _fatal(text: str) -> dict[str, Any]:
     """What faulthandler printed for the last fatal signal: the error and the crashing thread's frames,
     innermost first (at most 8)."""
@@ -177,8 +190,8 @@ def classify_exit(
     if cgroup_oom_kills is not None:
         evidence["cgroup_oom_kills"] = cgroup_oom_kills
     status = f"signal {sig.name}" if sig else f"exit code {returncode}"
-    if "fatal_stack" in evidence:  # where it crashed, in the reason every report shows
-        status += f" at {evidence['fatal_stack'][0]}"
+    if "fatal_stack" in evidence and sig in _FAULTHANDLER_SIGNALS:  # where it crashed, in every report
+        status += f" at {_own_frame(evidence['fatal_stack'])}"
     if not candidates:
         return Event(
             type="unknown_exit",

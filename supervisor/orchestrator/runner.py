@@ -29,8 +29,11 @@ from policies.schema import Policy
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.remote import RemoteTier
 from supervisor.checkpoint.view import MergedCatalog
+from supervisor.errors import UserError
 from supervisor.launcher import Launcher, LaunchSpec, LocalLauncher, OnLine
 from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
+from supervisor.launcher.standby_torchrun import TorchrunStandbyLauncher
+from supervisor.launcher.torchrun import TorchrunLauncher
 from supervisor.launcher.warmup import warm_checkpoint
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
@@ -446,15 +449,26 @@ def with_standby(options: RunOptions, policy: Policy) -> RunOptions:
     relaunch = policy.relaunch
     if not relaunch.standby:
         return options
-    if options.launcher is not None or policy.launcher.type != "local":
-        log.warning("relaunch.standby: local launcher only; this launcher starts each segment cold")
-        return options
     standby = StandbyOptions(
         tuple(relaunch.imports),
         relaunch.standby_delay_seconds,
         park=relaunch.park,
         park_timeout_seconds=relaunch.park_timeout_seconds,
     )
+    if isinstance(
+        options.launcher, TorchrunLauncher
+    ):  # one node's torchrun: its agent is parked with its ranks
+        try:
+            return dataclasses.replace(options, launcher=TorchrunStandbyLauncher(standby, options.launcher))
+        except UserError as exc:
+            log.warning("%s; this launcher starts each segment cold", exc)
+            return options
+    if options.launcher is not None or policy.launcher.type != "local":
+        log.warning(
+            "relaunch.standby: the local and single-node torchrun launchers only; this launcher starts each "
+            "segment cold"
+        )
+        return options
     return dataclasses.replace(options, launcher=StandbyLauncher(standby))
 
 
