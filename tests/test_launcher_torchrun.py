@@ -289,3 +289,66 @@ def test_an_anomaly_stop_lets_the_ranks_run_their_handlers(tmp_path: Path):
     info = handle.wait(30)
     assert info.signal_sent == signal.SIGUSR2
     assert sorted(s for s in seen if s.endswith(" saved")) == ["rank 0 saved", "rank 1 saved"]
+
+
+SLEEPING_RANKS = """\
+import os, time
+with open(os.path.join(os.environ["OUT"], f"rank{os.environ['RANK']}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agent_dies_first", [False, True])
+def test_a_vanished_supervisors_torchrun_segment_is_reclaimed_with_every_rank(
+    tmp_path: Path, agent_dies_first
+):
+    """torchrun starts each rank in a session of its own, so killing the agent's group leaves the ranks
+    training. The next supervisor's reclaim kills them too: listed under the live agent, or found by the
+    plan directory their environment names once the agent died first."""
+    import os
+    import socket
+    import time
+
+    import psutil
+
+    from supervisor.launcher import LocalLauncher
+
+    script = tmp_path / "ranks.py"
+    script.write_text(SLEEPING_RANKS)
+    plan_dir = tmp_path / "lineage"
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "OUT": str(tmp_path),
+        "ROLLBACK_SUPERVISOR_PLAN": str(plan_dir / "plan-0.json"),
+    }
+    handle = TorchrunLauncher(TorchrunOptions(nproc_per_node=2)).start(LaunchSpec((PY, str(script)), env))
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+    details = {**handle.details(), "host": socket.gethostname(), "index": 0}
+    if agent_dies_first:
+        os.kill(int(handle.handle_id), signal.SIGKILL)
+        handle.wait(30)
+    assert all(psutil.pid_exists(pid) for pid in ranks)  # a killpg of the agent alone would leave these
+
+    LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(tmp_path / "other")}})
+    assert all(psutil.pid_exists(pid) for pid in ranks)  # another lineage's: left alone
+    LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(plan_dir)}})
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in ranks)
+    if not agent_dies_first:
+        assert handle.wait(30).returncode == -signal.SIGKILL
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

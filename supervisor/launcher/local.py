@@ -58,15 +58,31 @@ class LocalLauncher:
         pid, host, index = details.get("pid"), details.get("host"), details.get("index")
         if not pid or host != socket.gethostname():
             return
-        if not is_segment_process(pid, details.get("pid_started"), details.get("env_in_dir") or {}):
+        env_in_dir = details.get("env_in_dir") or {}
+        if not is_segment_process(pid, details.get("pid_started"), env_in_dir):
             log.info("segment %s: pid %d is gone or was reused; nothing to kill", index, pid)
-            return
-        try:
-            if os.getpgid(pid) == pid:
+            strays = _orphans(details.get("pid_started"), env_in_dir)
+        else:
+            try:
+                if os.getpgid(pid) != pid:
+                    return
+                os.killpg(pid, signal.SIGSTOP)  # nothing new is started while its children are listed
+                strays = [p.pid for p in psutil.Process(pid).children(recursive=True) if _pgid(p.pid) != pid]
                 os.killpg(pid, signal.SIGKILL)
                 log.warning("killed stale training process group %d of segment %s", pid, index)
-        except (ProcessLookupError, PermissionError):
-            pass
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                strays = []
+            strays += [o for o in _orphans(details.get("pid_started"), env_in_dir) if o not in strays]
+        # Children in sessions of their own (torchrun's ranks) outlive a killpg of their leader; an agent that
+        # died first left them orphaned. Either way they would go on training beside the next segment.
+        for stray in strays:
+            try:
+                os.kill(stray, signal.SIGKILL)
+                log.warning(
+                    "killed stale training process %d of segment %s (outside its group)", stray, index
+                )
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def environment(spec: LaunchSpec) -> dict[str, str] | None:
@@ -76,6 +92,40 @@ def environment(spec: LaunchSpec) -> dict[str, str] | None:
     if not spec.env_overrides:
         return None
     return {**os.environ, **spec.env_overrides}
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _orphans(started: float | None, env_in_dir: Mapping[str, str]) -> list[int]:
+    """Processes started since the segment was whose environment names the segment's plan directory, outside
+    this process's own tree: its ranks, left behind by an agent that died (torchrun starts each rank in a
+    session of its own, and nothing kills them with it). None without both to go by."""
+    if started is None or not env_in_dir:
+        return []
+    try:
+        own = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    except psutil.Error:
+        own = {os.getpid()}
+    found = []
+    for proc in psutil.process_iter(["pid", "create_time"]):
+        info = proc.info
+        if info["pid"] in own or info["create_time"] is None or info["create_time"] < started - 1.0:
+            continue
+        try:
+            env = proc.environ()
+        except psutil.Error:
+            continue
+        if all(
+            (value := env.get(name)) is not None and Path(value).parent == Path(directory)
+            for name, directory in env_in_dir.items()
+        ):
+            found.append(info["pid"])
+    return found
 
 
 def is_segment_process(pid: int, started: float | None, env_in_dir: Mapping[str, str]) -> bool:
