@@ -458,7 +458,8 @@ class RelaunchConfig(Spec):
         "torch and the script's top-level imports done), and start the next segment in it: a relaunch skips "
         "the interpreter start and the imports. Costs one idle process per lineage: about 240 MiB resident "
         "with torch imported, 160 MiB of it its own (the rest is shared library pages), and no CPU while "
-        "parked. Local launcher (`launcher.type: local`), `python script.py` or `python -m mod` commands only.",
+        "parked. The local launcher, or `launcher.type: torchrun` on one node with its rendezvous on a free "
+        "port (a whole agent is parked with its ranks); `python script.py` or `python -m mod` commands only.",
     )
     imports: list[str] = Field(
         default_factory=list,
