@@ -56,14 +56,27 @@ def main() -> int:
     sess.register(model=model, optimizer=opt, scheduler=sched, data=loader)
     with sess:
         for step, batch in sess.loop(loader, max_steps=steps):
-            loss = model(batch).pow(2).mean()
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            sess.log(loss=float(loss), lr=sched.get_last_lr()[0])
-            if step % 10 == 0:  # what the policy's rollback target is chosen by
-                sess.log(val_loss=float(loss))
+            train_step(sess, model, opt, sched, step, batch)
+    return finish(sess, model, opt, sched, loader, out)
+
+
+def train_step(
+    sess: Session, model: torch.nn.Module, opt: torch.optim.Optimizer, sched, step: int, batch
+) -> None:
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    sess.log(loss=float(loss), lr=sched.get_last_lr()[0])
+    if step % 10 == 0:  # what the policy's rollback target is chosen by
+        sess.log(val_loss=float(loss))
+
+
+def finish(sess: Session, model: torch.nn.Module, opt: torch.optim.Optimizer, sched, loader, out: str) -> int:
+    """After a finished segment: the full state gathered on rank 0 into OUT/final.*, each rank's report; then
+    every rank leaves together. Returns the session's exit code."""
+    rank = dist.get_rank()
     code = sess.exit_code
     if code == 0:
         model_sd, optim_sd = get_state_dict(
@@ -93,11 +106,14 @@ def main() -> int:
     return code
 
 
-if __name__ == "__main__":
-    # Leave without the interpreter's teardown. Under load, 4 gloo ranks on 2 cores now and then aborted in
-    # it after a finished run ("terminate called without an active exception", with no Python frame on the
-    # stack), which the supervisor rightly treats as a crash and relaunches; these tests are about the runs.
-    code = main()
+def leave(code: int) -> None:
+    """Exit without the interpreter's teardown. Under load, 4 gloo ranks on 2 cores now and then aborted in it
+    after a finished run ("terminate called without an active exception", with no Python frame on the stack),
+    which the supervisor rightly treats as a crash and relaunches; these tests are about the runs."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())
