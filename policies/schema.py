@@ -492,10 +492,24 @@ class RelaunchConfig(Spec):
         "started, or that exits before it, is killed, never used; later standbys then park at `imports`.",
     )
 
+    preload: bool = Field(
+        False,
+        description="`park: plan`: while it waits, the standby reads the lineage's newest checkpoint from the "
+        "local store into memory, verified in full, and reads again whenever a newer one commits. A relaunch "
+        "that restores that checkpoint (a resume from the latest) then copies it from memory into the built "
+        "model and hands the rest to the optimizer, with no disk read; any other target is read from disk as "
+        "usual. Costs one more state's worth of memory in the standby (model, optimizer and the rest, as "
+        "stored), and one read of each new checkpoint while a segment runs. Not for sharded (DCP) checkpoints.",
+    )
+
     @model_validator(mode="after")
     def _park_needs_standby(self) -> RelaunchConfig:
         if self.park == "plan" and not self.standby:
             raise problem("standby", "true with park: plan (park says where the standby waits)", self.standby)
+        if self.preload and self.park != "plan":
+            raise problem(
+                "park", "plan with preload: true (the standby preloads at its park point)", self.park
+            )
         return self
 
 

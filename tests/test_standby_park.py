@@ -245,6 +245,10 @@ SCRIPT_SECTION = (
             "relaunch: {standby: true, park: plan, park_timeout_seconds: 0}\n",
             "relaunch.park_timeout_seconds: expected a number > 0, got 0",
         ),
+        (
+            "relaunch: {standby: true, preload: true}\n",
+            'relaunch.park: expected plan with preload: true (the standby preloads at its park point), got "imports"',
+        ),
     ],
 )
 def test_park_plan_policy_refusals(extra: str, message: str):
@@ -258,6 +262,8 @@ def test_park_plan_policy_defaults():
     relaunch = parse_policy(POLICY + "relaunch: {standby: true, park: plan}\n").relaunch
     assert (relaunch.park, relaunch.park_timeout_seconds) == ("plan", 300.0)
     assert parse_policy(POLICY + SCRIPT_SECTION + "relaunch: {standby: true}\n").relaunch.park == "imports"
+    assert not relaunch.preload
+    assert parse_policy(POLICY + "relaunch: {standby: true, park: plan, preload: true}\n").relaunch.preload
 
 
 def test_the_park_options_are_checked():
@@ -265,3 +271,5 @@ def test_the_park_options_are_checked():
         StandbyOptions(park="model")
     with pytest.raises(Exception, match="relaunch.park_timeout_seconds: expected a number > 0"):
         StandbyOptions(park="plan", park_timeout_seconds=0)
+    with pytest.raises(Exception, match="relaunch.preload: needs park: plan"):
+        StandbyOptions(preload="/ckpt")

@@ -52,19 +52,47 @@ if __name__ == "__main__":
 """
 
 
+#: The marked example, and more marks: each copy a standby preloads (`preloaded:<id>`) and the tier each restore
+#: used (`restored:<tier>`). The first segment waits after step 21 (the step-20 checkpoint is committed by
+#: then, the kill is at 22) until a standby holds that checkpoint: the test sees the preload used, not a race.
+PRELOAD_MARKED = MARKED.replace(
+    'if __name__ == "__main__":',
+    """from supervisor.checkpoint import preload, tiers
+hold, restore, log = preload.Preloader._hold, tiers.Tiers.restore, charlm.Session.log
+def marked_hold(self, snap):
+    hold(self, snap)
+    mark("preloaded:" + snap.id)
+def marked_restore(self, info, *args):
+    used = restore(self, info, *args)
+    mark("restored:" + used)
+    return used
+def held(prefix):
+    with open(MARKS) as f:
+        return any(json.loads(line)["what"].startswith("preloaded:" + prefix) for line in f)
+def waiting_log(self, **metrics):
+    if self.plan.segment == 0 and self.step == 21 and "loss" in metrics:
+        deadline = time.time() + 120
+        while time.time() < deadline and not held("0000000020-"):
+            time.sleep(0.05)
+    return log(self, **metrics)
+preload.Preloader._hold, tiers.Tiers.restore, charlm.Session.log = marked_hold, marked_restore, waiting_log
+if __name__ == "__main__":""",
+)
+
+
 def supervise(
-    workdir: Path, standby: bool, park: str | None = None, marked: bool = False
+    workdir: Path, standby: bool, park: str | None = None, marked: bool = False, preload: bool = False
 ) -> tuple[dict, LineageRunner]:
     workdir.mkdir(parents=True, exist_ok=True)
     policy = workdir / "policy.yaml"
     relaunch = "relaunch: {standby: true, standby_delay_seconds: 0}\n" if standby else ""
     if park:
-        relaunch = f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}}}\n"
+        relaunch = f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}, preload: {str(preload).lower()}}}\n"
     policy.write_text(FAST_POLICY.read_text() + relaunch)
     script = CHARLM
     if marked:  # the marked example, cold and parked alike
         script = str(workdir / "marked_charlm.py")
-        Path(script).write_text(MARKED)
+        Path(script).write_text(PRELOAD_MARKED if preload else MARKED)
     options = RunOptions(
         command=python_command(["python", script, "--steps", str(STEPS), "--eval-every", "20", *SMALL]),
         policy_path=str(policy),
@@ -143,3 +171,29 @@ def test_a_resume_through_a_standby_parked_at_its_plan_is_bit_identical_and_buil
     assert_same_state(cold, parked)
     steps = range(RESUME_STEP + 1, STEPS + 1)
     assert [parked_losses[s] for s in steps] == [cold_losses[s] for s in steps]
+
+
+def test_a_resume_through_a_preloading_standby_restores_from_memory_and_is_bit_identical(
+    tmp_path: Path, caplog
+):
+    caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
+    cold_record, cold_runner = supervise(tmp_path / "cold", standby=False)
+    warm_record, warm_runner = supervise(
+        tmp_path / "preloaded", standby=True, park="plan", marked=True, preload=True
+    )
+    first, second = warm_record["segments"][0], warm_record["segments"][1]
+    assert first["returncode"] == -9 and second["returncode"] == 0
+    assert [int(p) for p in re.findall(r"segment starts in standby pid (\d+)", caplog.text)] == [
+        second["pid"]
+    ]
+    target = second["restore"]["checkpoint_id"]
+    seen = marks(tmp_path / "preloaded")[second["pid"]]
+    assert f"preloaded:{target}" in seen  # read while the first segment trained, in the process that resumed
+    assert seen["preloaded:" + target][0] < first["ended"]
+    assert "restored:preloaded" in seen and "restored:local" not in seen  # no disk read for the restore
+
+    cold, cold_losses = final_state(cold_record, cold_runner)
+    warm, warm_losses = final_state(warm_record, warm_runner)
+    assert_same_state(cold, warm)
+    steps = range(RESUME_STEP + 1, STEPS + 1)
+    assert [warm_losses[s] for s in steps] == [cold_losses[s] for s in steps]

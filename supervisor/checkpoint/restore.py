@@ -28,8 +28,12 @@ def _selected(skeleton: object, prefixes: Iterable[str] | None) -> list[tuple[st
     return [(n, p) for n, p in tensor_paths(skeleton) if prefixes is None or matches(p, prefixes)]
 
 
-def restore_snapshot(snap: Snapshot, state: CheckpointableState, prefixes: Iterable[str] | None) -> None:
-    """Restore from a host-memory snapshot; its buffers are copied, never handed over, so they stay reusable."""
+def restore_snapshot(
+    snap: Snapshot, state: CheckpointableState, prefixes: Iterable[str] | None, *, adopt: bool = False
+) -> None:
+    """Restore from a host-memory snapshot. Its buffers are copied into live tensors that fit them; the others
+    get copies, so the buffers stay reusable, or with `adopt` (a snapshot restored once, then dropped: a
+    standby's preload) the buffers themselves, which saves allocating and copying a fresh optimizer's state."""
     snap.ready()  # an overlapped capture may still be copying into them
     live = state.live_tensors()
     tensors: dict[str, torch.Tensor] = {}
@@ -41,7 +45,7 @@ def restore_snapshot(snap: Snapshot, state: CheckpointableState, prefixes: Itera
             pairs.append((dst, src))
             tensors[name] = dst
         else:
-            tensors[name] = src if state.copies_on_load(path) else src.clone()
+            tensors[name] = src if adopt or state.copies_on_load(path) else src.clone()
     copy_tensors(pairs)
     state.load(unflatten(snap.skeleton, tensors), prefixes)
 
@@ -73,6 +77,28 @@ def restore_local(
     a mismatch is known only after the copy, so it raises CheckpointCorrupt with the live state partly
     overwritten and another checkpoint must be restored (restore("latest") does that by itself).
     """
+    skeleton = _checked_skeleton(catalog, manifest, verify)
+    if manifest.sharded:  # a sharded (DCP) checkpoint: its chunks are resharded for this one process
+        _restore_sharded(catalog, manifest, state, skeleton, prefixes, verify)
+        return
+    tensors = _read_tensors(catalog, manifest, skeleton, prefixes, verify, state.live_tensors())
+    state.load(unflatten(skeleton, tensors), prefixes)
+
+
+def read_local(catalog: Catalog, manifest: Manifest, verify: str = "full") -> Snapshot:
+    """A whole (unsharded) local checkpoint read into fresh host memory, checked as `restore_local` checks it:
+    a snapshot that `restore_snapshot` restores as the checkpoint itself would be (a standby's preload).
+    CheckpointCorrupt if a check fails; ValueError for a sharded checkpoint (its shards belong to ranks)."""
+    skeleton = _checked_skeleton(catalog, manifest, verify)
+    if manifest.sharded:
+        raise ValueError(f"checkpoint {manifest.id} is sharded: each rank reads its own shards of it")
+    tensors = _read_tensors(catalog, manifest, skeleton, None, verify, {})
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return Snapshot(manifest.id, skeleton, tensors, nbytes)
+
+
+def _checked_skeleton(catalog: Catalog, manifest: Manifest, verify: str) -> object:
+    """state.json of the checkpoint, after the fast check of its files (unless verify="none")."""
     cid = manifest.id
     if verify != "none" and (reason := catalog.verify(cid, "fast", read=manifest)):
         raise CheckpointCorrupt(cid, reason)
@@ -91,16 +117,24 @@ def restore_local(
     ):
         raise CheckpointCorrupt(cid, f"{state_rel} checksum mismatch: expected xxh3 {files[state_rel].xxh3}")
     try:
-        skeleton = loads_bounded(state_raw, max_depth=_MAX_STATE_DEPTH, what=state_rel)
+        return loads_bounded(state_raw, max_depth=_MAX_STATE_DEPTH, what=state_rel)
     except ValueError as exc:
         raise CheckpointCorrupt(cid, str(exc)) from None
-    if manifest.sharded:  # a sharded (DCP) checkpoint: its chunks are resharded for this one process
-        _restore_sharded(catalog, manifest, state, skeleton, prefixes, verify)
-        return
+
+
+def _read_tensors(
+    catalog: Catalog,
+    manifest: Manifest,
+    skeleton: object,
+    prefixes: Iterable[str] | None,
+    verify: str,
+    live: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The selected tensors by name, read on several threads into `live` where they fit, else fresh memory."""
+    cid = manifest.id
     readers: dict[str, BlobReader] = {}
     try:
         reads = _plan(cid, catalog, manifest, skeleton, prefixes, readers)
-        live = state.live_tensors()
         for r in reads:
             dst = live.get(r.names[0])
             r.target = _target(r.entry, dst)
@@ -113,8 +147,9 @@ def restore_local(
             tensors.update(_place(r, live))
         bad = next((r.reason for r in reads if r.reason), None)
         if bad:
-            raise CheckpointCorrupt(cid, f"{bad} (found while copying: the live state is partly overwritten)")
-        state.load(unflatten(skeleton, tensors), prefixes)
+            partly = " (found while copying: the live state is partly overwritten)" if live else ""
+            raise CheckpointCorrupt(cid, bad + partly)
+        return tensors
     finally:
         for reader in readers.values():
             reader.close()

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from supervisor.checkpoint import preload
 from supervisor.checkpoint.catalog import Listing
 from supervisor.checkpoint.local import LocalStore
 from supervisor.checkpoint.memory import SnapshotRing
@@ -94,7 +95,13 @@ class Tiers:
         after_fetch: Callable[[], None],
         listing: TierListing,
     ) -> str:
-        """Restore `info` from `tier`, or the fastest tier with a valid copy; returns the tier used."""
+        """Restore `info` from `tier`, or the fastest tier with a valid copy; returns the tier used.
+
+        With no tier named, a standby's preloaded copy of `info` comes first (`supervisor/checkpoint/preload.py`).
+        """
+        if tier is None and (preloaded := preload.take(self.store.root, info.id)) is not None:
+            restore_snapshot(preloaded, state, prefixes, adopt=True)
+            return "preloaded"
         reasons = []
         for t in [tier] if tier else TIERS:
             snap = self.ring.get(info.id) if t == "memory" else None

@@ -75,6 +75,9 @@ class StandbyOptions:
     park_timeout_seconds: float = 300.0
     """`park="plan"`: how long a standby may take to reach its park point before it is killed, never used.
     Checked to be > 0."""
+    preload: str | None = None
+    """`park="plan"`: the lineage's local checkpoint directory, whose newest commit the parked process keeps
+    read into memory for its segment's restore (`supervisor/checkpoint/preload.py`); None: no preload."""
 
     def __post_init__(self) -> None:
         if self.delay_seconds < 0:
@@ -86,6 +89,10 @@ class StandbyOptions:
         if not self.park_timeout_seconds > 0:
             raise UserError(
                 f"relaunch.park_timeout_seconds: expected a number > 0, got {self.park_timeout_seconds!r}"
+            )
+        if self.preload and self.park != "plan":
+            raise UserError(
+                f"relaunch.preload: needs park: plan (the park point it preloads at), got park: {self.park}"
             )
 
 
@@ -162,7 +169,7 @@ class Standby:
             "torch": options.torch,
         }
         if self.park_point == "plan":  # runs the script: its arguments now, no per-segment variable at all
-            config.update(park="plan", argv=list(self.argv))
+            config.update(park="plan", argv=list(self.argv), preload=options.preload)
             env = base_env(env)
         self.proc = self._spawn(config, env, cwd)
         self.pid = self.proc.pid

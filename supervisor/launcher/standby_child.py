@@ -280,9 +280,10 @@ def park_at_plan(config: dict) -> None:
     file = os.path.abspath(name) if kind == "path" else None
     t0 = time.monotonic()
 
-    def wait() -> None:
+    def wait(extra: dict) -> None:
         os.environ.__class__ = os._Environ  # type: ignore[attr-defined]
         report = {
+            **extra,
             "pid": os.getpid(),
             "park": "plan",
             "imports_s": time.monotonic() - t0,
@@ -301,6 +302,7 @@ def park_at_plan(config: dict) -> None:
 
     hook = types.ModuleType(PARK_MODULE)
     hook.wait = wait  # type: ignore[attr-defined]
+    hook.preload = config.get("preload")  # type: ignore[attr-defined]
     sys.modules[PARK_MODULE] = hook
     os.environ.__class__ = _WatchedEnviron
     run_target(kind, argv)

@@ -81,9 +81,9 @@ class LineageRunner:
         self.clock = clock
         self.sleep = sleep
         self.policy = load_policy(options.policy_path)
-        self.options = options = with_standby(options, self.policy)
         ck = self.policy.checkpoint
         self.layout = LineageLayout.resolve(options.workdir, ck.storage, options.lineage, ck.remote)
+        self.options = options = with_standby(options, self.policy, self.layout.checkpoints)
         self.book = LineageBook(
             self.layout, ttl_seconds=options.lease_ttl_seconds, owner=options.lease_owner, clock=clock
         )
@@ -443,9 +443,10 @@ class LineageRunner:
         return MergedCatalog(catalogs, allow_nonfinite=allow) if catalogs else None
 
 
-def with_standby(options: RunOptions, policy: Policy) -> RunOptions:
+def with_standby(options: RunOptions, policy: Policy, checkpoints: Path | None = None) -> RunOptions:
     """`options` with a standby launcher (kept from segment to segment, closed by `close()`) where the policy
-    asks for one and no launcher was given; the local launcher alone can park a process."""
+    asks for one and no launcher was given; the local launcher alone can park a process. `checkpoints`: the
+    lineage's local store, which a preloading standby (`relaunch.preload`) reads ahead."""
     relaunch = policy.relaunch
     if not relaunch.standby:
         return options
@@ -454,6 +455,7 @@ def with_standby(options: RunOptions, policy: Policy) -> RunOptions:
         relaunch.standby_delay_seconds,
         park=relaunch.park,
         park_timeout_seconds=relaunch.park_timeout_seconds,
+        preload=str(checkpoints) if relaunch.preload and checkpoints is not None else None,
     )
     if isinstance(
         options.launcher, TorchrunLauncher

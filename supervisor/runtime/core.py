@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from supervisor import exitcodes
-from supervisor.checkpoint import CheckpointInfo
+from supervisor.checkpoint import CheckpointInfo, preload
 from supervisor.events import Event
 from supervisor.monitor import DetectorSet, build_detectors
 from supervisor.runtime.actions import CONTINUE, Action, Rollback, SaveDue, Stop
@@ -215,6 +215,7 @@ class TrainingCore:
             info = self._restore_sharded(checkpoints.reader, spec)
         else:
             info = self._restorer.restore(checkpoints.writer, checkpoints.need(), spec)
+        preload.discard()  # a standby's preloaded copy that was not the target is of no further use
         self.outputs.metrics.start()
         self._after_restore(spec.skip_batches, spec.lr_scale, info, "plan")
         return info

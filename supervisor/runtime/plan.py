@@ -125,10 +125,22 @@ def standalone_plan(run_name: str, workdir: Path | None, policy: Path | None) ->
 
 def park_point() -> None:
     """In a parked standby, wait here for the segment (its per-segment variables are set on return); elsewhere,
-    and on every later call, return at once."""
+    and on every later call, return at once. A preloading standby (`relaunch.preload`) reads the lineage's
+    newest checkpoint before it reports ready and follows newer commits while it waits."""
     park = sys.modules.pop(PARK_MODULE, None)
-    if park is not None:
-        park.wait()
+    if park is None:
+        return
+    root = getattr(park, "preload", None)  # policy `relaunch.preload`: the lineage's local checkpoint store
+    if not root:
+        park.wait({})
+        return
+    from supervisor.checkpoint.preload import Preloader  # only a preloading standby pays for the import here
+
+    preloader = Preloader(root).start()
+    try:
+        park.wait({"preloaded": preloader.held})
+    finally:
+        preloader.finish()
 
 
 def load_plan(run_name: str, workdir: Path | None = None, policy: Path | None = None) -> LaunchPlan:

@@ -1,0 +1,152 @@
+"""A standby's preload: the newest commit read into memory ahead, then restored as the disk restore would be.
+
+Real checkpoints written by the CheckpointManager of a real model (AdamW, scheduler, GradScaler); the
+preloader reads them from another "process" (a second TrainingState with a fresh optimizer, as a parked
+standby has). Its polls are called by hand: the thread that calls them in a standby is not under test here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+import torch
+
+from supervisor.checkpoint import CheckpointManager, CheckpointOptions, preload
+from supervisor.checkpoint.preload import Preloader
+from tests.ckpt_scripts.tiny import Tiny
+from tests.test_checkpoint_corruption import flip_byte
+
+LOGGER = "rollback_supervisor.checkpoint"
+NEVER = 3600.0  # the follower thread's poll interval: the tests poll by hand
+
+
+@pytest.fixture(autouse=True)
+def nothing_published():
+    preload.discard()
+    yield
+    preload.discard()
+
+
+def saved_run(tmp_path, steps=(1, 2)) -> tuple[Tiny, list]:
+    """A trained Tiny and the checkpoints it committed, one per step in `steps` (no memory tier)."""
+    t = Tiny()
+    infos = []
+    with CheckpointManager(CheckpointOptions(tmp_path / "ckpt", memory_slots=0), t.state) as mgr:
+        for _ in steps:
+            t.step()
+            infos.append(mgr.save(t.state.step))
+        mgr.wait()
+    return t, infos
+
+
+def restored(tmp_path, cid: str, caplog) -> tuple[Tiny, str]:
+    """A fresh Tiny (other seed, no optimizer state yet) restored to `cid` by its own manager; the tier used."""
+    t = Tiny(seed=7)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with CheckpointManager(CheckpointOptions(tmp_path / "ckpt", memory_slots=0), t.state) as mgr:
+            mgr.restore(cid)
+    tiers = [
+        m.group(1) for r in caplog.records if (m := re.search(r"from the (\w+) tier in", r.getMessage()))
+    ]
+    assert len(tiers) == 1, tiers
+    return t, tiers[0]
+
+
+def assert_same(a: Tiny, b: Tiny) -> None:
+    live_a, live_b = a.state.live_tensors(), b.state.live_tensors()
+    assert live_a.keys() == live_b.keys() and live_a
+    for key in live_a:
+        assert torch.equal(live_a[key], live_b[key]), key
+    assert a.sched.state_dict() == b.sched.state_dict()
+    assert a.scaler.state_dict() == b.scaler.state_dict()
+    assert a.state.step == b.state.step
+
+
+def test_a_preloaded_restore_is_the_disk_restore_bit_for_bit_and_trains_on_identically(tmp_path, caplog):
+    _, infos = saved_run(tmp_path)
+    from_disk, tier = restored(tmp_path, infos[-1].id, caplog)
+    assert tier == "local"
+
+    loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start()
+    assert loader.held == infos[-1].id  # read before start() returns: before a standby says it is ready
+    assert loader.finish() == infos[-1].id
+    from_memory, tier = restored(tmp_path, infos[-1].id, caplog)
+    assert tier == "preloaded"
+    assert_same(from_disk, from_memory)
+    assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None  # handed over once
+    torch.manual_seed(3)
+    disk_loss = from_disk.step()
+    torch.manual_seed(3)
+    assert from_memory.step() == disk_loss
+    assert_same(from_disk, from_memory)
+
+
+def test_the_preloader_follows_newer_commits_and_passes_over_corrupt_and_unhealthy_ones(tmp_path, caplog):
+    t = Tiny()
+    root = tmp_path / "ckpt"
+    loader = Preloader(str(root), poll_seconds=NEVER).start()
+    assert loader.held is None  # nothing committed yet (not even the directory)
+    with CheckpointManager(CheckpointOptions(root, memory_slots=0), t.state) as mgr:
+        t.step()
+        first = mgr.save(1)
+        mgr.wait()
+        loader.poll()
+        assert loader.held == first.id
+        t.step()
+        second = mgr.save(2)
+        mgr.wait()
+        loader.poll()
+        assert loader.held == second.id
+        t.step()
+        third = mgr.save(3)
+        mgr.wait()
+        flip_byte(root, third.id)  # fails the full verification of the read
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            loader.poll()
+            assert loader.held is None and f"not preloading checkpoint {third.id}" in caplog.text
+            loader.poll()  # back to the newest one still usable
+            assert loader.held == second.id
+        with torch.no_grad():
+            t.model[0].weight[0, 0] = float("nan")
+        fourth = mgr.save(4)
+        mgr.wait()
+        assert not mgr.get(fourth.id).healthy
+        loader.poll()
+        assert loader.held == second.id  # an unhealthy commit is never what `latest` resumes from
+    assert loader.finish() == second.id
+
+
+def test_a_restore_of_another_checkpoint_reads_the_disk_and_the_copy_is_dropped(tmp_path, caplog):
+    _, infos = saved_run(tmp_path)
+    loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start()
+    assert loader.finish() == infos[-1].id
+    assert preload.take(str(tmp_path / "elsewhere"), infos[-1].id) is None  # another store's: not this copy
+    older, tier = restored(tmp_path, infos[0].id, caplog)  # a rollback's target: older than the copy
+    assert tier == "local"
+    from_disk, _ = restored(tmp_path, infos[0].id, caplog)
+    assert_same(older, from_disk)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        preload.discard()
+    assert f"preloaded checkpoint {infos[-1].id} was not the one restored" in caplog.text
+    assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None
+
+
+def test_a_commit_made_while_parked_is_read_by_the_follower_thread(tmp_path):
+    t = Tiny()
+    root = tmp_path / "ckpt"
+    with CheckpointManager(CheckpointOptions(root, memory_slots=0), t.state) as mgr:
+        t.step()
+        mgr.save(1)
+        mgr.wait()
+        loader = Preloader(str(root), poll_seconds=0.01).start()
+        t.step()
+        newer = mgr.save(2)
+        mgr.wait()
+        deadline = time.monotonic() + 30
+        while loader.held != newer.id and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loader.finish() == newer.id
