@@ -24,6 +24,7 @@ TARGETS = {
     "relaunch_s/naive_restart_s": 1.0,
     "relaunch_standby_s/naive_restart_s": 0.3,
     "relaunch_parked_s/naive_restart_s": 0.3,
+    "relaunch_preloaded_s/naive_restart_s": 0.3,
 }
 CHILD_TIMEOUT_S = 3600.0
 
@@ -108,13 +109,14 @@ def relaunch(workdir: Path, inproc: dict[str, Any], example: Example, i: int) ->
     }
 
 
-def standby_launcher(example: Example, park: str = "imports") -> Any:
+def standby_launcher(example: Example, park: str = "imports", preload: Path | None = None) -> Any:
     """A standby launcher whose parked process imports what a standby of `python examples/charlm.py` would.
 
     The relaunch child wraps the example (`-m benchmarks.rollback_child`), so the example's own top-level
     imports, which the supervisor finds with `ast` in the script it runs, are named explicitly. No standby is
     started behind a measured relaunch: each is parked by hand, and the launcher's own one waits an hour.
-    `park="plan"`: the parked process runs the relaunch child up to the example's `Session.attach`.
+    `park="plan"`: the parked process runs the relaunch child up to the example's `Session.attach`; with
+    `preload` (the checkpoint directory) it also keeps the newest commit there read into memory.
     """
     from benchmarks.common import CHARLM
     from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
@@ -122,7 +124,11 @@ def standby_launcher(example: Example, park: str = "imports") -> Any:
 
     imports = tuple(top_level_imports(CHARLM.read_text())) + ("benchmarks.common",)
     options = StandbyOptions(
-        imports=imports, delay_seconds=3600.0, park=park, park_timeout_seconds=CHILD_TIMEOUT_S
+        imports=imports,
+        delay_seconds=3600.0,
+        park=park,
+        park_timeout_seconds=CHILD_TIMEOUT_S,
+        preload=str(preload) if preload else None,
     )
     return StandbyLauncher(options)
 
@@ -139,8 +145,10 @@ def relaunch_standby(
     from supervisor.runtime.plan import PLAN_ENV
 
     at_plan = launcher.park_point == "plan"
+    preloading = bool(launcher.options.preload)
     plan = write_plan(workdir, run_id=inproc["run_id"], checkpoint_id=inproc["checkpoint_id"])
-    out = workdir / f"{'parked' if at_plan else 'standby'}-{i}.json"
+    kind = "preloaded" if preloading else "parked" if at_plan else "standby"
+    out = workdir / f"{kind}-{i}.json"
     command = (sys.executable, "-m", "benchmarks.rollback_child", "relaunch", "--out", str(out), "--")
     spec = LaunchSpec(
         (*command, *example.charlm_args()), child_env(**{PLAN_ENV: str(plan)}), inherit_env=False
@@ -166,6 +174,12 @@ def relaunch_standby(
             f"the standby relaunch restored step {m.get('restored_step')}, expected {inproc['checkpoint_step']}"
         )
     _ship(plan, [inproc["checkpoint_step"]])
+    want = "preloaded" if preloading else "local"
+    if m.get("tier") != want or (preloading and parked.report.get("preloaded") != inproc["checkpoint_id"]):
+        raise BenchRunError(
+            f"the {kind} relaunch restored from the {m.get('tier')} tier (parked holding "
+            f"{parked.report.get('preloaded')}), expected the {want} tier; see {workdir / 'standby.log'}"
+        )
     if at_plan:  # interpreter, imports and build happened while parked (parked_s); timed: Session on
         return {
             "total_s": m["done"] - started,
@@ -246,8 +260,12 @@ def run(
     say(f"in-process: {reps} anomalies at size {size}")
     example = Example(size, batch_size, threads, device)
     inproc = in_process(workdir, example, reps)
-    relaunches, naives, standbys, parkeds = [], [], [], []
-    with standby_launcher(example) as launcher, standby_launcher(example, park="plan") as at_plan:
+    relaunches, naives, standbys, parkeds, preloadeds = [], [], [], [], []
+    with (
+        standby_launcher(example) as launcher,
+        standby_launcher(example, park="plan") as at_plan,
+        standby_launcher(example, park="plan", preload=workdir / "checkpoints") as preloading,
+    ):
         for i in range(reps):
             say(f"relaunch {i + 1}/{reps}")
             relaunches.append(relaunch(workdir, inproc, example, i))
@@ -255,6 +273,10 @@ def run(
             standbys.append(relaunch_standby(workdir, inproc, example, i, launcher))
             say(f"relaunch through the standby parked at its plan {i + 1}/{reps}")
             parkeds.append(relaunch_standby(workdir, inproc, example, i, at_plan))
+            say(
+                f"relaunch through the standby parked at its plan with the checkpoint preloaded {i + 1}/{reps}"
+            )
+            preloadeds.append(relaunch_standby(workdir, inproc, example, i, preloading))
             say(f"naive restart {i + 1}/{reps}")
             naives.append(naive(workdir, inproc, example, i))
     return summarize(
@@ -263,6 +285,7 @@ def run(
         naives,
         standbys=standbys,
         parked=parkeds,
+        preloaded=preloadeds,
         size=size,
         reps=reps,
         batch_size=batch_size,
@@ -278,6 +301,7 @@ def summarize(
     naives: list[dict[str, Any]],
     standbys: list[dict[str, Any]] | None = None,
     parked: list[dict[str, Any]] | None = None,
+    preloaded: list[dict[str, Any]] | None = None,
     **info: Any,
 ) -> dict[str, Any]:
     """Medians, the issue's two ratios, and the same ratios up to the restore (the step taken out)."""
@@ -308,6 +332,13 @@ def summarize(
         full["relaunch_parked_s"] = med(parked, "total_s")
         ready["relaunch_parked_s"] = med(parked, "ready_s")
         standby["relaunch_parked"] = {**{k: med(parked, k) for k in _PHASES["parked"]}, "samples": parked}
+    if preloaded is not None:  # measured (the CLI always measures it)
+        full["relaunch_preloaded_s"] = med(preloaded, "total_s")
+        ready["relaunch_preloaded_s"] = med(preloaded, "ready_s")
+        standby["relaunch_preloaded"] = {
+            **{k: med(preloaded, k) for k in _PHASES["parked"]},
+            "samples": preloaded,
+        }
     targets = {}
     for suffix, values in (("", full), (" (step excluded)", ready)):
         for key, goal in TARGETS.items():
@@ -376,6 +407,11 @@ def summarize(
             "in `load_plan` (`Session.attach`). Timed from the plan sent -> per-segment environment set, Session "
             "set up (activate_s) -> restore -> step done. parked_s: start to park point, parked_build_s: its "
             "model build, parked_rss_bytes: its memory with the model built (all off the critical path).",
+            "relaunch_preloaded_s: the same as relaunch_parked_s, with `relaunch: {standby: true, park: plan, "
+            "preload: true}`: while parked, the standby also read the newest commit of the lineage's store into "
+            "memory (verified in full); the restore of that checkpoint copies it into the built model and hands "
+            "the optimizer state over, with no disk read. parked_s includes that read; parked_rss_bytes the "
+            "copy it holds.",
             "All paths read files just written by this benchmark: warm page cache.",
         ],
     }

@@ -230,8 +230,19 @@ def relaunch(out: Path, charlm_argv: list[str]) -> None:
             marks["done"], marks["step"] = time.time(), self.step
             self.request_stop("benchmark done")
 
-    charlm.build, charlm.Session = timed_build, Probe
-    charlm.main(charlm_argv)
+    from supervisor.checkpoint.tiers import Tiers
+
+    restore_tier = Tiers.restore
+
+    def noted_restore(self: Any, *args: Any, **kwargs: Any) -> str:
+        marks["tier"] = used = restore_tier(self, *args, **kwargs)
+        return used
+
+    charlm.build, charlm.Session, Tiers.restore = timed_build, Probe, noted_restore  # type: ignore[method-assign]
+    try:
+        charlm.main(charlm_argv)
+    finally:
+        Tiers.restore = restore_tier  # type: ignore[method-assign]
     out.write_text(json.dumps(marks))
 
 

@@ -145,12 +145,15 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         "relaunch_standby_s/naive_restart_s (step excluded)",
         "relaunch_parked_s/naive_restart_s",
         "relaunch_parked_s/naive_restart_s (step excluded)",
+        "relaunch_preloaded_s/naive_restart_s",
+        "relaunch_preloaded_s/naive_restart_s (step excluded)",
         "supervisor_cpu_s/training_cpu_s",
     }
     cost = result["supervisor_cpu"]
     assert cost["steps"] == 12 and result["supervisor_cpu_s"] == cost["supervisor_cpu_s"] > 0
     assert 0 < cost["supervisor_cpu_s"] < cost["training_cpu_s"]
     assert result["relaunch_parked_s"] > 0 and result["relaunch_parked"]["parked_build_s"] > 0
+    assert result["relaunch_preloaded_s"] > 0  # the run checks that its restores came from the preload
     assert result["relaunch_standby_s"] > 0 and result["relaunch_standby"]["parked_rss_bytes"] > 0
     assert result["in_process"]["tiers"] == ["memory"]  # the fast path restored from the memory ring
     assert len(result["relaunch"]["samples"]) == len(result["naive_restart"]["samples"]) == 1

@@ -150,3 +150,18 @@ def test_a_commit_made_while_parked_is_read_by_the_follower_thread(tmp_path):
         while loader.held != newer.id and time.monotonic() < deadline:
             time.sleep(0.01)
         assert loader.finish() == newer.id
+
+
+def test_a_store_of_sharded_checkpoints_is_not_preloaded_and_the_preloader_stops(tmp_path, caplog):
+    from tests.test_dcp_storage import _save_sharded
+
+    t = Tiny()
+    t.step()
+    _save_sharded(tmp_path / "ckpt", t, 1)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=0.01).start()
+        assert loader.held is None and "holds sharded (DCP) checkpoints; not preloading" in caplog.text
+        assert loader._thread is not None
+        loader._thread.join(timeout=30)  # stopped itself: nothing more to follow
+        assert not loader._thread.is_alive()
+    assert loader.finish() is None

@@ -86,6 +86,21 @@ def test_the_relaunch_parked_at_its_plan_is_reported_with_its_target():
     assert "relaunch_parked_s" not in summarize(INPROC, RELAUNCH, NAIVE, standbys=STANDBY, **common)
 
 
+def test_the_relaunch_through_a_preloading_standby_is_reported_with_its_target():
+    common = {"size": "tiny", "reps": 3, "batch_size": 1, "threads": None, "load_start": 0}
+    preloaded = [{**row, "total_s": row["total_s"] * 3, "ready_s": row["ready_s"] + 0.5} for row in PARKED]
+    got = summarize(INPROC, RELAUNCH, NAIVE, standbys=STANDBY, parked=PARKED, preloaded=preloaded, **common)
+    assert (got["relaunch_preloaded_s"], got["excluding_step"]["relaunch_preloaded_s"]) == (4.5, 1.0)
+    assert got["targets"]["relaunch_preloaded_s/naive_restart_s"] == {
+        "value": pytest.approx(4.5 / 11),
+        "target": 0.3,
+        "met": False,
+    }
+    assert got["relaunch_preloaded"]["samples"] == preloaded and got["relaunch_parked"]["samples"] == PARKED
+    without = summarize(INPROC, RELAUNCH, NAIVE, standbys=STANDBY, parked=PARKED, **common)
+    assert "relaunch_preloaded_s" not in without
+
+
 def test_the_integration_bench_reports_the_standby_against_the_framework_resume():
     standbys = [
         {**r, "activate_s": 0.01, "parked_imports_s": 5.0, "parked_rss_bytes": 1}

@@ -135,11 +135,13 @@ class Preloader:
         self._held = None  # one state's worth of memory at most: the older copy goes before the newer is read
         started = time.monotonic()
         try:
-            snap = read_local(self._catalog, self._catalog.manifest(info.id), "full")
-        except (
-            CheckpointError,
-            ValueError,
-        ) as exc:  # ValueError: sharded, its shards are read by their ranks
+            manifest = self._catalog.manifest(info.id)
+            if manifest.sharded:  # each rank's shards are its own: this store is not preloaded at all
+                self._stop.set()
+                log.info("standby preload: %s holds sharded (DCP) checkpoints; not preloading", self.root)
+                return
+            snap = read_local(self._catalog, manifest, "full")
+        except (CheckpointError, ValueError) as exc:  # ValueError: a name that leads out of the store
             self._refused.add(info.id)
             self._seen = None  # the next look takes the newest one still usable
             log.warning("standby preload: not preloading checkpoint %s (%s)", info.id, exc)
