@@ -165,3 +165,17 @@ def test_a_store_of_sharded_checkpoints_is_not_preloaded_and_the_preloader_stops
         loader._thread.join(timeout=30)  # stopped itself: nothing more to follow
         assert not loader._thread.is_alive()
     assert loader.finish() is None
+
+
+def test_a_non_zero_ddp_rank_restores_its_own_preloaded_copy(tmp_path, caplog):
+    from supervisor.runtime.distributed import ReadOnlyCheckpoints
+
+    _, infos = saved_run(tmp_path)
+    from_disk, _ = restored(tmp_path, infos[-1].id, caplog)
+    assert Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start().finish() == infos[-1].id
+    rank = Tiny(seed=7)
+    with caplog.at_level(logging.INFO):
+        ReadOnlyCheckpoints(tmp_path / "ckpt", rank.state).restore(infos[-1].id)
+    assert f"rank restored checkpoint {infos[-1].id} (read-only, preloaded)" in caplog.text
+    assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None
+    assert_same(from_disk, rank)

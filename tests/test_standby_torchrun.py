@@ -157,9 +157,15 @@ def test_a_standby_needs_one_node_and_a_free_port(options: TorchrunOptions):
 
 
 def supervise(workdir: Path, park: str | None) -> tuple[dict, LineageRunner]:
+    """`park`: None (cold), "imports", "plan" (with `preload: true`: each rank keeps the newest commit read)."""
     workdir.mkdir(parents=True, exist_ok=True)
     policy = workdir / "policy.yaml"
-    relaunch = f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}}}\n" if park else ""
+    preload = "true" if park == "plan" else "false"
+    relaunch = (
+        f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}, preload: {preload}}}\n"
+        if park
+        else ""
+    )
     policy.write_text(FAST_POLICY.read_text() + relaunch)
     options = RunOptions(
         command=(PY, CHARLM, "--steps", str(STEPS), "--eval-every", "20", *SMALL, "--threads", "1"),
