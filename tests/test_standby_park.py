@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 from policies import PolicyError, parse_policy
 from supervisor.launcher import LaunchSpec, LocalLauncher, standby_child
-from supervisor.launcher.standby import StandbyLauncher, StandbyOptions
+from supervisor.launcher.standby import PARKED_PLAN, PLAN_VARIABLE, StandbyLauncher, StandbyOptions
 from supervisor.runtime import plan
 
 PY = sys.executable
@@ -85,6 +87,44 @@ def builds(project: Path) -> list[dict]:
 
 def test_the_park_module_name_is_the_same_on_both_sides():
     assert standby_child.PARK_MODULE == plan.PARK_MODULE
+    assert PLAN_VARIABLE == plan.PLAN_ENV
+
+
+#: Asks for its plan, says so, then trains for ever (until a supervisor kills it).
+TRAINS_ON = f"""\
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("rbs_plan", {str(PLAN_PY)!r})
+plan = sys.modules["rbs_plan"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plan)
+plan.load_plan("t", workdir=os.path.dirname(os.path.abspath(__file__)))
+print("training", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_segment_started_in_a_standby_parked_at_its_plan_is_reclaimed_after_its_supervisor_vanished(
+    project: Path,
+):
+    """Parked with no segment's plan, it still names the lineage's plan directory in the environment it was
+    started with (which is what the next supervisor can read of it), so it is recognised and killed."""
+    (project / "train.py").write_text(TRAINS_ON)
+    with StandbyLauncher(FAST) as launcher:
+        parked = launcher.park_for(spec(project, 0))
+        assert parked is not None and parked.wait_ready(30)
+        lines: list[tuple[str, str]] = []
+        handle = launcher.start(spec(project, 1), lambda stream, line: lines.append((stream, line)))
+        assert int(handle.handle_id) == parked.pid
+        deadline = time.monotonic() + 30
+        while ("stdout", "training") not in lines and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ("stdout", "training") in lines
+        details = {**handle.details(), "host": socket.gethostname(), "index": 1}
+        LocalLauncher().reclaim(
+            {**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project / "other")}}
+        )
+        assert handle.poll() is None  # not the lineage's: left alone
+        LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project)}})
+        assert handle.wait(30).returncode == -signal.SIGKILL
 
 
 def test_the_script_runs_up_to_its_plan_while_parked_and_then_sees_what_a_cold_start_sees(project: Path):
@@ -176,10 +216,10 @@ def test_a_standby_that_peeked_at_its_segment_or_has_other_arguments_is_not_used
     }[change]
     assert f"standby pid {parked.pid} not used: {expected}" in caplog.text
     assert launcher.park_point == ("imports" if change == "peek" else "plan")  # it would peek every time
-    if (
-        change == "peek"
-    ):  # parked in the base environment: the plan of the segment it was parked for is not set
-        assert [b["peeked"] for b in builds(project) if b["pid"] == parked.pid] == ["absent"]
+    if change == "peek":  # the plan of the segment it was parked for is not set: a file that never exists is
+        parked_plan = str(project / PARKED_PLAN)
+        assert [b["peeked"] for b in builds(project) if b["pid"] == parked.pid] == [parked_plan]
+        assert not os.path.exists(parked_plan)
 
 
 @pytest.mark.parametrize("change", ["code", "environment", "working directory"])

@@ -132,6 +132,29 @@ def base_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(PER_SEGMENT_PREFIX)}
 
 
+#: The training side's plan variable (`supervisor.runtime.plan.PLAN_ENV`, which this layer does not import).
+PLAN_VARIABLE = "ROLLBACK_SUPERVISOR_PLAN"
+#: What a `park: plan` standby's plan variable names while it is parked: a file that never exists, beside the
+#: plans of the lineage that parked it.
+PARKED_PLAN = "parked-standby-has-no-plan"
+
+
+def parked_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment a `park: plan` standby starts in: `env` without its per-segment variables, but with the
+    plan variable naming `PARKED_PLAN` in the directory of `env`'s plan.
+
+    The script never sees a segment's plan before its park point (a look-up of the variable there makes the
+    standby unusable, and at the park point the segment's own value replaces it). The process's initial
+    environment, which is what a later supervisor can read of it, names the lineage's plan directory as a cold
+    start's does: a segment started in it, and its torchrun ranks, can be reclaimed after a supervisor crash.
+    """
+    out = base_env(env)
+    plan = env.get(PLAN_VARIABLE)
+    if plan:
+        out[PLAN_VARIABLE] = os.path.join(os.path.dirname(plan), PARKED_PLAN)
+    return out
+
+
 def resolved_env(spec: LaunchSpec) -> dict[str, str]:
     """The environment a cold start of `spec` gets, as a dict."""
     env = environment(spec)
@@ -170,7 +193,7 @@ class Standby:
         }
         if self.park_point == "plan":  # runs the script: its arguments now, no per-segment variable at all
             config.update(park="plan", argv=list(self.argv), preload=options.preload)
-            env = base_env(env)
+            env = parked_env(env)
         self.proc = self._spawn(config, env, cwd)
         self.pid = self.proc.pid
         self.started = time.monotonic()
