@@ -499,7 +499,9 @@ class RelaunchConfig(Spec):
         "that restores that checkpoint (a resume from the latest) then copies it from memory into the built "
         "model and hands the rest to the optimizer, with no disk read; any other target is read from disk as "
         "usual. Costs one more state's worth of memory in the standby (model, optimizer and the rest, as "
-        "stored), and one read of each new checkpoint while a segment runs. Not for sharded (DCP) checkpoints.",
+        "stored; under torchrun, in each parked rank), and one read of each new checkpoint, on one thread, "
+        "while a segment runs; a read that would leave less than 1 GiB of memory available is not made. Not "
+        "for sharded (DCP) checkpoints.",
     )
 
     @model_validator(mode="after")

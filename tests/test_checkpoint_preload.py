@@ -8,9 +8,11 @@ standby has). Its polls are called by hand: the thread that calls them in a stan
 from __future__ import annotations
 
 import logging
+import random
 import re
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,12 +45,14 @@ def saved_run(tmp_path, steps=(1, 2)) -> tuple[Tiny, list]:
 
 
 def restored(tmp_path, cid: str, caplog) -> tuple[Tiny, str]:
-    """A fresh Tiny (other seed, no optimizer state yet) restored to `cid` by its own manager; the tier used."""
+    """A fresh Tiny (other seed, no optimizer state yet) restored to `cid` by its own manager; the tier used.
+    The RNG streams the restore set are kept on it (`rng`)."""
     t = Tiny(seed=7)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         with CheckpointManager(CheckpointOptions(tmp_path / "ckpt", memory_slots=0), t.state) as mgr:
             mgr.restore(cid)
+            t.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     tiers = [
         m.group(1) for r in caplog.records if (m := re.search(r"from the (\w+) tier in", r.getMessage()))
     ]
@@ -64,6 +68,9 @@ def assert_same(a: Tiny, b: Tiny) -> None:
     assert a.sched.state_dict() == b.sched.state_dict()
     assert a.scaler.state_dict() == b.scaler.state_dict()
     assert a.state.step == b.state.step
+    if hasattr(a, "rng") and hasattr(b, "rng"):
+        assert torch.equal(a.rng[0], b.rng[0]) and a.rng[1] == b.rng[1]
+        assert np.array_equal(a.rng[2], b.rng[2])
 
 
 def test_a_preloaded_restore_is_the_disk_restore_bit_for_bit_and_trains_on_identically(tmp_path, caplog):
@@ -74,13 +81,15 @@ def test_a_preloaded_restore_is_the_disk_restore_bit_for_bit_and_trains_on_ident
     loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start()
     assert loader.held == infos[-1].id  # read before start() returns: before a standby says it is ready
     assert loader.finish() == infos[-1].id
+    random.seed(99)  # other streams than the checkpoint's: the restore must set them all
+    torch.manual_seed(99)
     from_memory, tier = restored(tmp_path, infos[-1].id, caplog)
     assert tier == "preloaded"
     assert_same(from_disk, from_memory)
     assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None  # handed over once
-    torch.manual_seed(3)
+    torch.set_rng_state(from_disk.rng[0])
     disk_loss = from_disk.step()
-    torch.manual_seed(3)
+    torch.set_rng_state(from_memory.rng[0])
     assert from_memory.step() == disk_loss
     assert_same(from_disk, from_memory)
 
@@ -179,3 +188,58 @@ def test_a_non_zero_ddp_rank_restores_its_own_preloaded_copy(tmp_path, caplog):
     assert f"rank restored checkpoint {infos[-1].id} (read-only, preloaded)" in caplog.text
     assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None
     assert_same(from_disk, rank)
+
+
+def test_the_plans_target_decides_what_is_published(tmp_path):
+    _, infos = saved_run(tmp_path)
+    root = str(tmp_path / "ckpt")
+    assert (
+        Preloader(root, poll_seconds=NEVER).start().finish(infos[0].id) is None
+    )  # a rollback's older target
+    assert preload.take(root, infos[-1].id) is None  # dropped at once, not published beside the disk read
+    assert Preloader(root, poll_seconds=NEVER).start().finish("") is None  # from scratch
+    assert Preloader(root, poll_seconds=NEVER).start().finish(infos[-1].id) == infos[-1].id
+    assert preload.take(root, infos[-1].id) is not None
+
+
+def test_an_abandoned_copy_is_replaced_by_the_newest_live_commit(tmp_path):
+    t = Tiny()
+    root = tmp_path / "ckpt"
+    with CheckpointManager(CheckpointOptions(root, memory_slots=0), t.state) as mgr:
+        for step in (1, 2):
+            t.step()
+            mgr.save(step)
+        mgr.wait()
+        first, second = mgr.list()
+        loader = Preloader(str(root), poll_seconds=NEVER).start()
+        assert loader.held == second.id
+        mgr.abandon_after(first)  # an in-process rollback to the first: the second is a dead branch
+        loader.poll()
+        assert loader.held == first.id
+    assert loader.finish() == first.id
+
+
+def test_a_read_that_would_leave_too_little_memory_is_not_made(tmp_path, caplog, monkeypatch):
+    _, infos = saved_run(tmp_path)
+    monkeypatch.setattr("supervisor.checkpoint.preload.MEMORY_MARGIN", 1 << 62)  # more than any machine has
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start()
+    assert loader.held is None
+    assert f"not preloading checkpoint {infos[-1].id}" in caplog.text and "of memory available" in caplog.text
+    assert loader.finish() is None
+
+
+def test_a_cancelled_read_stops_before_the_next_tensor(tmp_path):
+    import threading
+
+    from supervisor.checkpoint import open_store
+    from supervisor.checkpoint.restore import ReadCancelled, read_local
+
+    _, infos = saved_run(tmp_path)
+    catalog = open_store(tmp_path / "ckpt")
+    manifest = catalog.manifest(infos[-1].id)
+    assert read_local(catalog, manifest, threads=1).id == infos[-1].id
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(ReadCancelled):
+        read_local(catalog, manifest, threads=1, cancel=cancel)

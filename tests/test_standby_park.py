@@ -21,7 +21,8 @@ import pytest
 
 from policies import PolicyError, parse_policy
 from supervisor.launcher import LaunchSpec, LocalLauncher, standby_child
-from supervisor.launcher.standby import PARKED_PLAN, PLAN_VARIABLE, StandbyLauncher, StandbyOptions
+from supervisor.launcher.standby import PLAN_VARIABLE, StandbyLauncher, StandbyOptions
+from supervisor.launcher.standby_child import PARKED_PLAN_VARIABLE
 from supervisor.runtime import plan
 
 PY = sys.executable
@@ -48,7 +49,7 @@ os.environ.setdefault("SET_BY_SCRIPT", "1")
 p = plan.load_plan("t", workdir=here)
 print(json.dumps({{
     "argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "pid": os.getpid(), "attached": time.time(),
-    "env": {{k: v for k, v in os.environ.items() if k.startswith(("ROLLBACK_SUPERVISOR_", "STANDBY_TEST", "SET_BY"))}},
+    "env": {{k: v for k, v in os.environ.items() if k.startswith(("ROLLBACK_", "STANDBY_TEST", "SET_BY"))}},
     "plan_workdir": p.workdir, "supervised": p.supervised,
 }}))
 sys.exit(3)
@@ -88,6 +89,7 @@ def builds(project: Path) -> list[dict]:
 def test_the_park_module_name_is_the_same_on_both_sides():
     assert standby_child.PARK_MODULE == plan.PARK_MODULE
     assert PLAN_VARIABLE == plan.PLAN_ENV
+    assert not PARKED_PLAN_VARIABLE.startswith(standby_child.PER_SEGMENT_PREFIX)  # never an early read
 
 
 #: Asks for its plan, says so, then trains for ever (until a supervisor kills it).
@@ -150,13 +152,20 @@ def test_the_script_runs_up_to_its_plan_while_parked_and_then_sees_what_a_cold_s
     assert warm["plan_workdir"] == str(project / "seg-1") and warm["supervised"] and cold_pid != pid
 
 
+@pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("trouble", ["hang", "exit"])
 def test_a_standby_that_never_reaches_its_park_point_is_discarded_and_later_ones_park_at_the_imports(
-    project: Path, trouble: str, caplog
+    project: Path, trouble: str, preload: bool, caplog
 ):
     caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
     (project / trouble).write_text("")
-    options = StandbyOptions(delay_seconds=0, torch=False, park="plan", park_timeout_seconds=2.0)
+    options = StandbyOptions(
+        delay_seconds=0,
+        torch=False,
+        park="plan",
+        park_timeout_seconds=2.0,
+        preload=str(project / "ck") if preload else None,
+    )
     with StandbyLauncher(options) as launcher:
         stuck = launcher.park_for(spec(project, 0))
         assert stuck is not None
@@ -167,6 +176,7 @@ def test_a_standby_that_never_reaches_its_park_point_is_discarded_and_later_ones
         replacement = launcher.parked(timeout=10)  # parked again at once, at the imports this time
         assert replacement is not None and replacement.pid != stuck.pid
         assert replacement.park_point == "imports" == launcher.park_point
+        assert replacement.options.preload is None  # no park point to preload at
         assert replacement.wait_ready(30)
         out, code, pid, _ = run(launcher, spec(project, 1))
     assert (
@@ -216,10 +226,10 @@ def test_a_standby_that_peeked_at_its_segment_or_has_other_arguments_is_not_used
     }[change]
     assert f"standby pid {parked.pid} not used: {expected}" in caplog.text
     assert launcher.park_point == ("imports" if change == "peek" else "plan")  # it would peek every time
-    if change == "peek":  # the plan of the segment it was parked for is not set: a file that never exists is
-        parked_plan = str(project / PARKED_PLAN)
-        assert [b["peeked"] for b in builds(project) if b["pid"] == parked.pid] == [parked_plan]
-        assert not os.path.exists(parked_plan)
+    if (
+        change == "peek"
+    ):  # parked in the base environment: the plan of the segment it was parked for is not set
+        assert [b["peeked"] for b in builds(project) if b["pid"] == parked.pid] == ["absent"]
 
 
 @pytest.mark.parametrize("change", ["code", "environment", "working directory"])

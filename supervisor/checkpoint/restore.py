@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -85,14 +86,26 @@ def restore_local(
     state.load(unflatten(skeleton, tensors), prefixes)
 
 
-def read_local(catalog: Catalog, manifest: Manifest, verify: str = "full") -> Snapshot:
+class ReadCancelled(Exception):
+    """`read_local` was cancelled before it read every tensor."""
+
+
+def read_local(
+    catalog: Catalog,
+    manifest: Manifest,
+    verify: str = "full",
+    *,
+    threads: int = THREADS,
+    cancel: threading.Event | None = None,
+) -> Snapshot:
     """A whole (unsharded) local checkpoint read into fresh host memory, checked as `restore_local` checks it:
     a snapshot that `restore_snapshot` restores as the checkpoint itself would be (a standby's preload).
-    CheckpointCorrupt if a check fails; ValueError for a sharded checkpoint (its shards belong to ranks)."""
+    CheckpointCorrupt if a check fails; ValueError for a sharded checkpoint (its shards belong to ranks);
+    ReadCancelled once `cancel` is set (it is looked at before each tensor)."""
     skeleton = _checked_skeleton(catalog, manifest, verify)
     if manifest.sharded:
         raise ValueError(f"checkpoint {manifest.id} is sharded: each rank reads its own shards of it")
-    tensors = _read_tensors(catalog, manifest, skeleton, None, verify, {})
+    tensors = _read_tensors(catalog, manifest, skeleton, None, verify, {}, threads, cancel)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return Snapshot(manifest.id, skeleton, tensors, nbytes)
 
@@ -129,6 +142,8 @@ def _read_tensors(
     prefixes: Iterable[str] | None,
     verify: str,
     live: dict[str, torch.Tensor],
+    threads: int = THREADS,
+    cancel: threading.Event | None = None,
 ) -> dict[str, torch.Tensor]:
     """The selected tensors by name, read on several threads into `live` where they fit, else fresh memory."""
     cid = manifest.id
@@ -140,8 +155,17 @@ def _read_tensors(
             r.target = _target(r.entry, dst)
             if dst is not None and dst is not r.target and dst.device.type != "cpu" and _same(dst, r.target):
                 r.device_dst = dst
-        with ThreadPoolExecutor(THREADS, thread_name_prefix="ckpt-read") as pool:
-            list(pool.map(lambda share: [_read(r, verify == "full") for r in share], _shares(reads)))
+
+        def read_share(share: list[_Read]) -> None:
+            for r in share:
+                if cancel is not None and cancel.is_set():
+                    return
+                _read(r, verify == "full")
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
+            list(pool.map(read_share, _shares(reads, threads)))
+        if cancel is not None and cancel.is_set():
+            raise ReadCancelled(cid)
         tensors: dict[str, torch.Tensor] = {}
         for r in reads:
             tensors.update(_place(r, live))
@@ -226,10 +250,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype
 
 
-def _shares(reads: list[_Read]) -> list[list[_Read]]:
-    """Split reads into THREADS lists of about equal bytes."""
-    shares: list[list[_Read]] = [[] for _ in range(THREADS)]
-    sizes = [0] * THREADS
+def _shares(reads: list[_Read], threads: int = THREADS) -> list[list[_Read]]:
+    """Split reads into `threads` lists of about equal bytes."""
+    shares: list[list[_Read]] = [[] for _ in range(threads)]
+    sizes = [0] * threads
     for r in sorted(reads, key=lambda r: -r.ref.nbytes):
         i = sizes.index(min(sizes))
         shares[i].append(r)

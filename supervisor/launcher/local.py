@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from supervisor.launcher.base import ExitInfo, LaunchSpec, OnLine
+from supervisor.launcher.standby_child import PARKED_PLAN_VARIABLE
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -120,10 +121,7 @@ def _orphans(started: float | None, env_in_dir: Mapping[str, str]) -> list[int]:
             env = proc.environ()
         except psutil.Error:
             continue
-        if all(
-            (value := env.get(name)) is not None and Path(value).parent == Path(directory)
-            for name, directory in env_in_dir.items()
-        ):
+        if _names_dir(env, env_in_dir):
             found.append(info["pid"])
     return found
 
@@ -143,8 +141,15 @@ def is_segment_process(pid: int, started: float | None, env_in_dir: Mapping[str,
         env = psutil.Process(pid).environ()
     except psutil.Error:
         return started is not None
+    return _names_dir(env, env_in_dir)
+
+
+def _names_dir(env: Mapping[str, str], env_in_dir: Mapping[str, str]) -> bool:
+    """Whether each variable of `env_in_dir` names a path in its directory in `env`. A process started as a
+    `park: plan` standby has no plan variable in the environment it started with, but `PARKED_PLAN_VARIABLE`
+    naming a file in the same directory (`supervisor.launcher.standby.parked_env`)."""
     for name, directory in env_in_dir.items():
-        value = env.get(name)
+        value = env.get(name, env.get(PARKED_PLAN_VARIABLE))
         if value is None or Path(value).parent != Path(directory):
             return False
     return True

@@ -44,7 +44,7 @@ import psutil
 from supervisor.errors import UserError
 from supervisor.launcher.base import LaunchSpec, OnLine, SegmentHandle
 from supervisor.launcher.local import LocalLauncher, LocalSegment, environment
-from supervisor.launcher.standby_child import BOOTSTRAP, PER_SEGMENT_PREFIX
+from supervisor.launcher.standby_child import BOOTSTRAP, PARKED_PLAN_VARIABLE, PER_SEGMENT_PREFIX
 from supervisor.launcher.torchrun import split_command
 
 log = logging.getLogger("rollback_supervisor.launcher")
@@ -134,24 +134,22 @@ def base_env(env: Mapping[str, str]) -> dict[str, str]:
 
 #: The training side's plan variable (`supervisor.runtime.plan.PLAN_ENV`, which this layer does not import).
 PLAN_VARIABLE = "ROLLBACK_SUPERVISOR_PLAN"
-#: What a `park: plan` standby's plan variable names while it is parked: a file that never exists, beside the
-#: plans of the lineage that parked it.
+#: What `PARKED_PLAN_VARIABLE` names in a `park: plan` standby: a file that never exists, beside the plans of
+#: the lineage that parked it.
 PARKED_PLAN = "parked-standby-has-no-plan"
 
 
 def parked_env(env: Mapping[str, str]) -> dict[str, str]:
-    """The environment a `park: plan` standby starts in: `env` without its per-segment variables, but with the
-    plan variable naming `PARKED_PLAN` in the directory of `env`'s plan.
-
-    The script never sees a segment's plan before its park point (a look-up of the variable there makes the
-    standby unusable, and at the park point the segment's own value replaces it). The process's initial
-    environment, which is what a later supervisor can read of it, names the lineage's plan directory as a cold
-    start's does: a segment started in it, and its torchrun ranks, can be reclaimed after a supervisor crash.
+    """The environment a `park: plan` standby starts in: `env` without its per-segment variables (the script
+    never sees a segment's plan before its park point), plus `PARKED_PLAN_VARIABLE` naming `PARKED_PLAN` in the
+    directory of `env`'s plan. The environment a process started with is what a later supervisor can read of
+    it: with that variable it names the lineage's plan directory as a cold start's does, so a segment started
+    in the standby, and its torchrun ranks, can be reclaimed after a supervisor crash (`LocalLauncher.reclaim`).
     """
     out = base_env(env)
     plan = env.get(PLAN_VARIABLE)
     if plan:
-        out[PLAN_VARIABLE] = os.path.join(os.path.dirname(plan), PARKED_PLAN)
+        out[PARKED_PLAN_VARIABLE] = os.path.join(os.path.dirname(plan), PARKED_PLAN)
     return out
 
 
@@ -481,7 +479,9 @@ class StandbyLauncher:
         old, self._parked = self._parked, None
         if old is not None:
             old.discard("replaced by a newer standby")
-        options = dataclasses.replace(self.options, park=self.park_point)
+        # Fallen back to `imports` (a `plan` standby never parked): there is no park point to preload at.
+        preload = self.options.preload if self.park_point == "plan" else None
+        options = dataclasses.replace(self.options, park=self.park_point, preload=preload)
         try:
             self._parked = self._new_standby(target, env, cwd, options, argv)
         except OSError as exc:  # cannot start one: the next relaunch starts cold, as without the standby

@@ -37,6 +37,11 @@ import types
 PER_SEGMENT_PREFIX = "ROLLBACK_SUPERVISOR_"
 #: The module a `park: plan` standby puts in `sys.modules`; `supervisor/runtime/plan.py` names it too.
 PARK_MODULE = "_rollback_supervisor_park"
+#: Set in a `park: plan` standby's environment only: a file that never exists, in the plan directory of the
+#: lineage that parked it (`supervisor.launcher.standby.parked_env`). Not a per-segment variable: the script
+#: may see it before its park point, where it is removed. The environment a process was started with is what a
+#: later supervisor can read of it, so a segment started in the standby, and its ranks, can be recognised.
+PARKED_PLAN_VARIABLE = "ROLLBACK_STANDBY_PLAN"
 
 #: What the supervisor starts: `python -c BOOTSTRAP <this file> <config>` (sys.path[0] stays '' until fixed).
 BOOTSTRAP = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__rbs_standby__')"
@@ -267,7 +272,7 @@ def _enter_segment(config: dict, plan: dict) -> None:
         os.environ.clear()
         os.environ.update(plan["env"])
         return
-    for key in [k for k in os.environ if k.startswith(PER_SEGMENT_PREFIX)]:
+    for key in [k for k in os.environ if k.startswith(PER_SEGMENT_PREFIX) or k == PARKED_PLAN_VARIABLE]:
         del os.environ[key]
     os.environ.update({k: v for k, v in plan["env"].items() if k.startswith(PER_SEGMENT_PREFIX)})
 
@@ -280,10 +285,10 @@ def park_at_plan(config: dict) -> None:
     file = os.path.abspath(name) if kind == "path" else None
     t0 = time.monotonic()
 
-    def wait(extra: dict) -> None:
+    def wait(extra: dict | None = None) -> None:
         os.environ.__class__ = os._Environ  # type: ignore[attr-defined]
         report = {
-            **extra,
+            **(extra or {}),
             "pid": os.getpid(),
             "park": "plan",
             "imports_s": time.monotonic() - t0,

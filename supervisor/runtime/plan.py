@@ -140,7 +140,20 @@ def park_point() -> None:
     try:
         park.wait({"preloaded": preloader.held})
     finally:
-        preloader.finish()
+        preloader.finish(_target())
+
+
+def _target() -> str | None:
+    """The checkpoint id the segment's plan restores (None: the latest), as far as it can be known here; the
+    plan's own errors are load_plan's to report."""
+    path = os.environ.get(PLAN_ENV)
+    try:
+        restore = LaunchPlan.read(Path(path)).restore if path else None
+    except UserError:
+        return None
+    if restore is None:
+        return None
+    return "" if restore.from_scratch else restore.checkpoint_id  # "": from scratch, no checkpoint is wanted
 
 
 def load_plan(run_name: str, workdir: Path | None = None, policy: Path | None = None) -> LaunchPlan:
