@@ -52,30 +52,38 @@ if __name__ == "__main__":
 """
 
 
-#: The marked example, and more marks: each copy a standby preloads (`preloaded:<id>`) and the tier each restore
-#: used (`restored:<tier>`). The first segment waits after step 21 (the step-20 checkpoint is committed by
-#: then, the kill is at 22) until a standby holds that checkpoint: the test sees the preload used, not a race.
+#: The marked example, and more marks: each copy a standby preloads (`preloaded:<id>`), each copy a restore took
+#: (`took:<id>`, any rank) and the tier each restore through `Tiers` used (`restored:<tier>`). The first segment
+#: waits after step 21 (the step-20 checkpoint is committed by then, the kill is at 22) until a standby of each
+#: rank holds that checkpoint: the test sees the preload used, not a race.
 PRELOAD_MARKED = MARKED.replace(
     'if __name__ == "__main__":',
     """from supervisor.checkpoint import preload, tiers
-hold, restore, log = preload.Preloader._hold, tiers.Tiers.restore, charlm.Session.log
+hold, take, restore, log = preload.Preloader._hold, preload.take, tiers.Tiers.restore, charlm.Session.log
 def marked_hold(self, snap):
     hold(self, snap)
     mark("preloaded:" + snap.id)
+def marked_take(root, checkpoint_id):
+    snap = take(root, checkpoint_id)
+    if snap is not None:
+        mark("took:" + checkpoint_id)
+    return snap
 def marked_restore(self, info, *args):
     used = restore(self, info, *args)
     mark("restored:" + used)
     return used
 def held(prefix):
     with open(MARKS) as f:
-        return any(json.loads(line)["what"].startswith("preloaded:" + prefix) for line in f)
+        pids = {m["pid"] for m in map(json.loads, f) if m["what"].startswith("preloaded:" + prefix)}
+    return len(pids) >= int(os.environ.get("WORLD_SIZE", "1"))
 def waiting_log(self, **metrics):
     if self.plan.segment == 0 and self.step == 21 and "loss" in metrics:
         deadline = time.time() + 120
         while time.time() < deadline and not held("0000000020-"):
             time.sleep(0.05)
     return log(self, **metrics)
-preload.Preloader._hold, tiers.Tiers.restore, charlm.Session.log = marked_hold, marked_restore, waiting_log
+preload.Preloader._hold, preload.take, tiers.Tiers.restore = marked_hold, marked_take, marked_restore
+charlm.Session.log = waiting_log
 if __name__ == "__main__":""",
 )
 
@@ -191,6 +199,7 @@ def test_a_resume_through_a_preloading_standby_restores_from_memory_and_is_bit_i
     assert f"preloaded:{target}" in seen  # read while the first segment trained, in the process that resumed
     assert seen["preloaded:" + target][0] < first["ended"]
     assert "restored:preloaded" in seen and "restored:local" not in seen  # no disk read for the restore
+    assert f"took:{target}" in seen
 
     cold, cold_losses = final_state(cold_record, cold_runner)
     warm, warm_losses = final_state(warm_record, warm_runner)

@@ -29,6 +29,7 @@ from supervisor.launcher.standby import StandbyOptions
 from supervisor.launcher.standby_torchrun import TorchrunStandbyLauncher
 from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.flowkit import CHARLM, FAST_POLICY, SMALL, stored_state
+from tests.test_standby_resume import PRELOAD_MARKED, marks
 
 PY = sys.executable
 STEPS = 24
@@ -157,18 +158,24 @@ def test_a_standby_needs_one_node_and_a_free_port(options: TorchrunOptions):
 
 
 def supervise(workdir: Path, park: str | None) -> tuple[dict, LineageRunner]:
-    """`park`: None (cold), "imports", "plan" (with `preload: true`: each rank keeps the newest commit read)."""
+    """`park`: None (cold), "imports", "plan", or "preload" (`park: plan, preload: true`: each rank keeps the
+    newest commit read; the example then runs under test_standby_resume's marked wrapper, which waits for both
+    ranks' standbys to hold the step-20 checkpoint before the kill)."""
     workdir.mkdir(parents=True, exist_ok=True)
     policy = workdir / "policy.yaml"
-    preload = "true" if park == "plan" else "false"
-    relaunch = (
-        f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {park}, preload: {preload}}}\n"
-        if park
-        else ""
-    )
+    relaunch = ""
+    if park:
+        point, preload = ("plan", "true") if park == "preload" else (park, "false")
+        relaunch = (
+            f"relaunch: {{standby: true, standby_delay_seconds: 0, park: {point}, preload: {preload}}}\n"
+        )
     policy.write_text(FAST_POLICY.read_text() + relaunch)
+    script = CHARLM
+    if park == "preload":
+        script = str(workdir / "marked_charlm.py")
+        Path(script).write_text(PRELOAD_MARKED)
     options = RunOptions(
-        command=(PY, CHARLM, "--steps", str(STEPS), "--eval-every", "20", *SMALL, "--threads", "1"),
+        command=(PY, script, "--steps", str(STEPS), "--eval-every", "20", *SMALL, "--threads", "1"),
         policy_path=str(policy),
         lineage="trs",
         workdir=workdir,
@@ -203,7 +210,7 @@ def assert_equal_tree(a: Any, b: Any, path: str = "") -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("park", ["imports", "plan"])
+@pytest.mark.parametrize("park", ["imports", "plan", "preload"])
 def test_a_resume_through_a_parked_torchrun_agent_is_bit_identical_to_a_cold_one(
     tmp_path: Path, caplog, park: str
 ):
@@ -218,10 +225,17 @@ def test_a_resume_through_a_parked_torchrun_agent_is_bit_identical_to_a_cold_one
         assert second["outcome"] == "finished" and record["status"] == "finished"
     used = [int(pid) for pid in re.findall(r"segment starts in standby pid (\d+)", caplog.text)]
     assert used == [warm_record["segments"][1]["pid"]]  # the resumed segment ran in the parked agent
-    if (
-        park == "plan"
-    ):  # both ranks ran the example up to Session.attach (process group, DDP model) while parked
+    if park != "imports":  # both ranks ran the example up to Session.attach (process group, DDP model) parked
         assert "(parked" in caplog.text and "the script up to its plan took" in caplog.text
+    if park == "preload":  # each rank restored the step-20 checkpoint from the copy its own standby read
+        first, second = warm_record["segments"]
+        target = second["restore"]["checkpoint_id"]
+        seen = marks(tmp_path / "warm")
+        took = {pid for pid, what in seen.items() if f"took:{target}" in what}
+        assert len(took) == 2, seen
+        assert all(
+            what[f"preloaded:{target}"][0] < first["ended"] for pid, what in seen.items() if pid in took
+        )
     assert re.search(r"standby pid \d+ discarded: the supervisor is closing", caplog.text)  # none left behind
 
     cold = stored(cold_runner, cold_record["final_checkpoint"])
