@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -232,15 +233,26 @@ def test_a_segment_left_in_a_standby_by_a_vanished_supervisor_is_reclaimed(proje
     directory (the one it was parked with), so the next supervisor recognises and kills it."""
     (project / "train.py").write_text("import time\nprint('training', flush=True)\ntime.sleep(600)\n")
     with StandbyLauncher(FAST) as launcher:
-        parked = launcher.park_for(spec(project, 0))
-        assert parked is not None and parked.wait_ready(30)
-        lines: list[tuple[str, str]] = []
-        handle = launcher.start(spec(project, 1), lambda stream, line: lines.append((stream, line)))
-        assert int(handle.handle_id) == parked.pid
-        details = {**handle.details(), "host": socket.gethostname(), "index": 1}
-        LocalLauncher().reclaim(
-            {**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project / "other")}}
-        )
-        assert handle.poll() is None  # not the lineage's: left alone
-        LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project)}})
-        assert handle.wait(30).returncode == -signal.SIGKILL
+        assert_reclaimed_for_its_lineage_only(launcher, spec(project, 0), spec(project, 1), project)
+
+
+def assert_reclaimed_for_its_lineage_only(
+    launcher: StandbyLauncher, parking: LaunchSpec, segment: LaunchSpec, plan_dir: Path
+) -> None:
+    """Park for `parking`, start `segment` in the standby (a script that prints `training` and sleeps), then do
+    what the next supervisor does after a crash: reclaim with another lineage's plan directory (left alone),
+    then with `plan_dir` (killed)."""
+    parked = launcher.park_for(parking)
+    assert parked is not None and parked.wait_ready(30)
+    lines: list[tuple[str, str]] = []
+    handle = launcher.start(segment, lambda stream, line: lines.append((stream, line)))
+    assert int(handle.handle_id) == parked.pid
+    deadline = time.monotonic() + 30
+    while ("stdout", "training") not in lines and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ("stdout", "training") in lines
+    details = {**handle.details(), "host": socket.gethostname(), "index": 1}
+    LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(plan_dir / "other")}})
+    assert handle.poll() is None  # not the lineage's: left alone
+    LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(plan_dir)}})
+    assert handle.wait(30).returncode == -signal.SIGKILL

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from supervisor.launcher import LaunchSpec, LocalLauncher, standby_child
 from supervisor.launcher.standby import PLAN_VARIABLE, StandbyLauncher, StandbyOptions
 from supervisor.launcher.standby_child import PARKED_PLAN_VARIABLE
 from supervisor.runtime import plan
+from tests.test_standby import assert_reclaimed_for_its_lineage_only
 
 PY = sys.executable
 PLAN_PY = Path(plan.__file__)
@@ -111,22 +110,7 @@ def test_a_segment_started_in_a_standby_parked_at_its_plan_is_reclaimed_after_it
     started with (which is what the next supervisor can read of it), so it is recognised and killed."""
     (project / "train.py").write_text(TRAINS_ON)
     with StandbyLauncher(FAST) as launcher:
-        parked = launcher.park_for(spec(project, 0))
-        assert parked is not None and parked.wait_ready(30)
-        lines: list[tuple[str, str]] = []
-        handle = launcher.start(spec(project, 1), lambda stream, line: lines.append((stream, line)))
-        assert int(handle.handle_id) == parked.pid
-        deadline = time.monotonic() + 30
-        while ("stdout", "training") not in lines and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert ("stdout", "training") in lines
-        details = {**handle.details(), "host": socket.gethostname(), "index": 1}
-        LocalLauncher().reclaim(
-            {**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project / "other")}}
-        )
-        assert handle.poll() is None  # not the lineage's: left alone
-        LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(project)}})
-        assert handle.wait(30).returncode == -signal.SIGKILL
+        assert_reclaimed_for_its_lineage_only(launcher, spec(project, 0), spec(project, 1), project)
 
 
 def test_the_script_runs_up_to_its_plan_while_parked_and_then_sees_what_a_cold_start_sees(project: Path):
