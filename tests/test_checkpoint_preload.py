@@ -219,9 +219,15 @@ def test_an_abandoned_copy_is_replaced_by_the_newest_live_commit(tmp_path):
     assert loader.finish() == first.id
 
 
-def test_a_read_that_would_leave_too_little_memory_is_not_made(tmp_path, caplog, monkeypatch):
+@pytest.mark.parametrize("short", ["margin", "ranks"])
+def test_a_read_that_would_leave_too_little_memory_is_not_made(tmp_path, caplog, monkeypatch, short):
     _, infos = saved_run(tmp_path)
-    monkeypatch.setattr("supervisor.checkpoint.preload.MEMORY_MARGIN", 1 << 62)  # more than any machine has
+    if short == "margin":
+        monkeypatch.setattr(
+            "supervisor.checkpoint.preload.MEMORY_MARGIN", 1 << 62
+        )  # more than any machine has
+    else:  # every parked rank of a torchrun agent reads its own copy: all of them must fit
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str((1 << 62) // max(1, infos[-1].nbytes)))
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start()
     assert loader.held is None
@@ -229,17 +235,85 @@ def test_a_read_that_would_leave_too_little_memory_is_not_made(tmp_path, caplog,
     assert loader.finish() is None
 
 
-def test_a_cancelled_read_stops_before_the_next_tensor(tmp_path):
+def test_a_cancelled_read_stops_before_the_next_tensor(tmp_path, monkeypatch):
     import threading
 
     from supervisor.checkpoint import open_store
+    from supervisor.checkpoint import restore as restore_module
     from supervisor.checkpoint.restore import ReadCancelled, read_local
 
     _, infos = saved_run(tmp_path)
     catalog = open_store(tmp_path / "ckpt")
     manifest = catalog.manifest(infos[-1].id)
     assert read_local(catalog, manifest, threads=1).id == infos[-1].id
-    cancel = threading.Event()
-    cancel.set()
-    with pytest.raises(ReadCancelled):
-        read_local(catalog, manifest, threads=1, cancel=cancel)
+    cancel, reads = threading.Event(), []
+    real = restore_module._read
+
+    def read_then_cancel(r, check):
+        reads.append(r)
+        real(r, check)
+        cancel.set()  # after the first tensor
+
+    with monkeypatch.context() as m:
+        m.setattr(restore_module, "_read", read_then_cancel)
+        with pytest.raises(ReadCancelled):
+            read_local(catalog, manifest, threads=1, cancel=cancel)
+    assert len(reads) == 1 and len(manifest.tensors) > 1
+
+
+def test_the_plan_cancels_a_read_in_progress_of_another_checkpoint(tmp_path, caplog, monkeypatch):
+    """The newest commit is being read when the plan arrives for an older one (a rollback): the read stops at
+    its next tensor, nothing is published, and the preloader's thread is gone."""
+    import threading
+
+    from supervisor.checkpoint import preload as preload_module
+
+    _, infos = saved_run(tmp_path)
+    started = threading.Event()
+    real = preload_module.read_local
+
+    def slow_read(catalog, manifest, verify, *, threads, cancel):
+        started.set()
+        assert cancel.wait(30), "finish() never cancelled the read"
+        return real(catalog, manifest, verify, threads=threads, cancel=cancel)
+
+    monkeypatch.setattr(preload_module, "read_local", slow_read)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        loader = Preloader(str(tmp_path / "ckpt"), poll_seconds=NEVER).start(first_wait=0)
+        assert started.wait(30) and loader.held is None  # start() returned with the read going on
+        assert loader.finish(infos[0].id) is None
+    assert f"the read of {infos[-1].id} was cancelled" in caplog.text
+    assert loader._thread is not None and not loader._thread.is_alive()
+    assert preload.take(str(tmp_path / "ckpt"), infos[-1].id) is None
+
+
+def test_the_first_read_never_takes_more_than_half_the_park_time_left(tmp_path, monkeypatch):
+    """A standby that does not reach its park point in time is killed and later ones park at their imports: the
+    park point waits for the first read at most half the time the supervisor still gives it."""
+    import sys
+    import types
+
+    from supervisor.runtime import plan
+
+    _, infos = saved_run(tmp_path)
+    waits, reports = [], []
+    real_start = Preloader.start
+
+    def start(self, first_wait=preload.FIRST_READ_WAIT_SECONDS):
+        waits.append(first_wait)
+        return real_start(self, first_wait)
+
+    monkeypatch.setattr(Preloader, "start", start)
+    monkeypatch.delenv(plan.PLAN_ENV, raising=False)
+    for left, expected in ((7.0, 3.5), (600.0, preload.FIRST_READ_WAIT_SECONDS), (-1.0, 0.0)):
+        park = types.ModuleType(plan.PARK_MODULE)
+        park.wait = reports.append
+        park.preload = str(tmp_path / "ckpt")
+        park.park_seconds_left = lambda left=left: left
+        monkeypatch.setitem(sys.modules, plan.PARK_MODULE, park)
+        plan.park_point()
+        assert waits[-1] == expected
+        assert plan.PARK_MODULE not in sys.modules  # parked once: later calls return at once
+        preload.discard()
+    # A small checkpoint is read well within those waits: the standby reports it ready with the copy held.
+    assert [r["preloaded"] for r in reports[:2]] == [infos[-1].id, infos[-1].id]

@@ -253,6 +253,6 @@ def assert_reclaimed_for_its_lineage_only(
     assert ("stdout", "training") in lines
     details = {**handle.details(), "host": socket.gethostname(), "index": 1}
     LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(plan_dir / "other")}})
-    assert handle.poll() is None  # not the lineage's: left alone
+    assert handle.wait_exit(1.0) is None  # not the lineage's: left alone
     LocalLauncher().reclaim({**details, "env_in_dir": {"ROLLBACK_SUPERVISOR_PLAN": str(plan_dir)}})
     assert handle.wait(30).returncode == -signal.SIGKILL

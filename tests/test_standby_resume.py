@@ -73,8 +73,15 @@ def marked_restore(self, info, *args):
     mark("restored:" + used)
     return used
 def held(prefix):
+    pids = set()
     with open(MARKS) as f:
-        pids = {m["pid"] for m in map(json.loads, f) if m["what"].startswith("preloaded:" + prefix)}
+        for line in f:
+            try:  # another process may be appending its line right now
+                m = json.loads(line)
+            except ValueError:
+                continue
+            if m["what"].startswith("preloaded:" + prefix):
+                pids.add(m["pid"])
     return len(pids) >= int(os.environ.get("WORLD_SIZE", "1"))
 def waiting_log(self, **metrics):
     if self.plan.segment == 0 and self.step == 21 and "loss" in metrics:

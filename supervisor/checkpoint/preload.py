@@ -45,6 +45,9 @@ POLL_SECONDS = 0.1
 FIRST_READ_WAIT_SECONDS = 30.0
 #: A read that would leave less than this much of the machine's memory available is not made.
 MEMORY_MARGIN = 1 << 30
+#: How long the plan's arrival waits for a read of its target to finish; past that it is cancelled and the
+#: restore reads the disk (a stalled file system must not hold the relaunch).
+FINISH_WAIT_SECONDS = 30.0
 
 #: What finished preloaders hold, by the real path of their store; a process has at most one (a standby's).
 _published: dict[str, Snapshot] = {}
@@ -71,6 +74,35 @@ def discard() -> None:
         log.info("preloaded checkpoint %s was not the one restored; its copy is dropped", snap.id)
 
 
+def available_memory() -> int:
+    """Bytes of memory this process may still allocate: the machine's available memory, or less where its
+    cgroup (a container, a SLURM job; v2 or v1's memory controller) limits it."""
+    available = psutil.virtual_memory().available
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return available
+    for _, controllers, group in (parts for parts in lines if len(parts) == 3):
+        if controllers == "":  # v2
+            files = ("/sys/fs/cgroup", "memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            files = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        base = os.path.join(files[0], group.lstrip("/"))
+        try:
+            with open(os.path.join(base, files[1])) as f:
+                limit = f.read().strip()
+            with open(os.path.join(base, files[2])) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    return available
+
+
 class Preloader:
     """Follows the newest commit of one local store and keeps it read (see the module docstring)."""
 
@@ -82,6 +114,8 @@ class Preloader:
         self._held: Snapshot | None = None
         self._reading: str | None = None  # the id being read now, if any
         self._refused: set[str] = set()  # failed verification, or sharded: never read again
+        self._short: set[str] = set()  # not read for want of memory (said once each)
+        self._said: set[str] = set()  # failures logged (once each)
         self._seen: tuple[object, ...] | None = None  # what the store looked like at the last complete look
         self._first = threading.Event()  # the first look (and its read) is done
         self._stop = threading.Event()  # no further look
@@ -115,7 +149,16 @@ class Preloader:
         if wanted is not None and reading is not None and reading != wanted:
             self._cancel.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(FINISH_WAIT_SECONDS)
+            if self._thread.is_alive():  # its result, if it ever comes, is dropped (`_read` sees the cancel)
+                self._cancel.set()
+                log.warning(
+                    "standby preload: the read of %s is not done after %.0fs; it is dropped",
+                    reading,
+                    FINISH_WAIT_SECONDS,
+                )
+                self._held = None
+                return None
         snap, self._held = self._held, None
         if snap is None:
             return None
@@ -136,13 +179,17 @@ class Preloader:
 
     def poll(self) -> None:
         """One look at the store: read its newest usable commit if it is not the one held. Never raises: a
-        preload is an optimisation, and a failed one leaves the restore to read the disk."""
+        preload is an optimisation, and a failed one leaves the restore to read the disk. Each distinct
+        failure is logged once."""
         try:
             info = self._newest()
             if info is not None:
                 self._read(info)
         except Exception as exc:
-            log.warning("standby preload from %s failed (%s); a relaunch reads the disk", self.root, exc)
+            why = f"{type(exc).__name__}: {exc}"
+            if why not in self._said:
+                self._said.add(why)
+                log.warning("standby preload from %s failed (%s); a relaunch reads the disk", self.root, why)
 
     def _newest(self) -> CheckpointInfo | None:
         """The newest live, healthy commit, when the store changed since the last look and it is not held."""
@@ -177,21 +224,29 @@ class Preloader:
 
     def _read(self, info: CheckpointInfo) -> None:
         assert self._catalog is not None
-        self._held = None  # one state's worth of memory at most: the older copy goes before the newer is read
-        available = psutil.virtual_memory().available
-        if available < info.nbytes + MEMORY_MARGIN:
-            log.warning(
-                "standby preload: not preloading checkpoint %s (%.0f MB): %.0f MB of memory available",
-                info.id,
-                info.nbytes / 1e6,
-                available / 1e6,
-            )
-            return
-        started = time.monotonic()
         self._reading = info.id
-        if self._stop.is_set():  # the plan came meanwhile: the restore reads what it wants itself
+        if self._stop.is_set():  # the plan came meanwhile: what is held stays, the restore reads the rest
             self._reading = None
             return
+        self._held = None  # one state's worth of memory at most: the older copy goes before the newer is read
+        # Every parked rank of a torchrun agent reads its own copy, at about the same moment.
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        available = available_memory()
+        if available < info.nbytes * ranks + MEMORY_MARGIN:
+            self._reading = None
+            self._seen = None  # looked at again: memory may be freed
+            if info.id not in self._short:
+                self._short.add(info.id)
+                log.warning(
+                    "standby preload: not preloading checkpoint %s (%.0f MB, %d rank(s)): %.0f MB of memory "
+                    "available",
+                    info.id,
+                    info.nbytes / 1e6,
+                    ranks,
+                    available / 1e6,
+                )
+            return
+        started = time.monotonic()
         try:
             manifest = self._catalog.manifest(info.id)
             if manifest.sharded:  # each rank's shards are its own: this store is not preloaded at all
@@ -209,6 +264,8 @@ class Preloader:
             return
         finally:
             self._reading = None
+        if self._cancel.is_set():  # given up on by finish() while it read
+            return
         self._hold(snap)
         log.info(
             "standby preloaded checkpoint %s (step %d, %.0f MB) in %.3fs",
@@ -222,4 +279,13 @@ class Preloader:
         self._held = snap
 
 
-__all__ = ["FIRST_READ_WAIT_SECONDS", "MEMORY_MARGIN", "POLL_SECONDS", "Preloader", "discard", "take"]
+__all__ = [
+    "FINISH_WAIT_SECONDS",
+    "FIRST_READ_WAIT_SECONDS",
+    "MEMORY_MARGIN",
+    "POLL_SECONDS",
+    "Preloader",
+    "available_memory",
+    "discard",
+    "take",
+]

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 
 from supervisor.launcher.base import ExitInfo, LaunchSpec, OnLine
-from supervisor.launcher.standby_child import PARKED_PLAN_VARIABLE
+from supervisor.launcher.standby_child import PARKED_PLAN_VARIABLE, PLAN_VARIABLE
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -149,7 +149,7 @@ def _names_dir(env: Mapping[str, str], env_in_dir: Mapping[str, str]) -> bool:
     `park: plan` standby has no plan variable in the environment it started with, but `PARKED_PLAN_VARIABLE`
     naming a file in the same directory (`supervisor.launcher.standby.parked_env`)."""
     for name, directory in env_in_dir.items():
-        value = env.get(name, env.get(PARKED_PLAN_VARIABLE))
+        value = env.get(name, env.get(PARKED_PLAN_VARIABLE) if name == PLAN_VARIABLE else None)
         if value is None or Path(value).parent != Path(directory):
             return False
     return True

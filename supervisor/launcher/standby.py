@@ -44,7 +44,12 @@ import psutil
 from supervisor.errors import UserError
 from supervisor.launcher.base import LaunchSpec, OnLine, SegmentHandle
 from supervisor.launcher.local import LocalLauncher, LocalSegment, environment
-from supervisor.launcher.standby_child import BOOTSTRAP, PARKED_PLAN_VARIABLE, PER_SEGMENT_PREFIX
+from supervisor.launcher.standby_child import (
+    BOOTSTRAP,
+    PARKED_PLAN_VARIABLE,
+    PER_SEGMENT_PREFIX,
+    PLAN_VARIABLE,
+)
 from supervisor.launcher.torchrun import split_command
 
 log = logging.getLogger("rollback_supervisor.launcher")
@@ -132,8 +137,6 @@ def base_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(PER_SEGMENT_PREFIX)}
 
 
-#: The training side's plan variable (`supervisor.runtime.plan.PLAN_ENV`, which this layer does not import).
-PLAN_VARIABLE = "ROLLBACK_SUPERVISOR_PLAN"
 #: What `PARKED_PLAN_VARIABLE` names in a `park: plan` standby: a file that never exists, beside the plans of
 #: the lineage that parked it.
 PARKED_PLAN = "parked-standby-has-no-plan"
@@ -190,7 +193,12 @@ class Standby:
             "torch": options.torch,
         }
         if self.park_point == "plan":  # runs the script: its arguments now, no per-segment variable at all
-            config.update(park="plan", argv=list(self.argv), preload=options.preload)
+            config.update(
+                park="plan",
+                argv=list(self.argv),
+                preload=options.preload,
+                park_timeout_seconds=options.park_timeout_seconds,
+            )
             env = parked_env(env)
         self.proc = self._spawn(config, env, cwd)
         self.pid = self.proc.pid

@@ -37,6 +37,8 @@ import types
 PER_SEGMENT_PREFIX = "ROLLBACK_SUPERVISOR_"
 #: The module a `park: plan` standby puts in `sys.modules`; `supervisor/runtime/plan.py` names it too.
 PARK_MODULE = "_rollback_supervisor_park"
+#: The training side's plan variable (`supervisor.runtime.plan.PLAN_ENV`: this file imports nothing of ours).
+PLAN_VARIABLE = "ROLLBACK_SUPERVISOR_PLAN"
 #: Set in a `park: plan` standby's environment only: a file that never exists, in the plan directory of the
 #: lineage that parked it (`supervisor.launcher.standby.parked_env`). Not a per-segment variable: the script
 #: may see it before its park point, where it is removed. The environment a process was started with is what a
@@ -308,6 +310,10 @@ def park_at_plan(config: dict) -> None:
     hook = types.ModuleType(PARK_MODULE)
     hook.wait = wait  # type: ignore[attr-defined]
     hook.preload = config.get("preload")  # type: ignore[attr-defined]
+    # Seconds left before the supervisor gives up on this standby reaching its park point (a preload's first
+    # read must not use them up: a standby killed there makes later ones park at their imports).
+    timeout = float(config.get("park_timeout_seconds", 300.0))
+    hook.park_seconds_left = lambda: timeout - (time.monotonic() - t0)  # type: ignore[attr-defined]
     sys.modules[PARK_MODULE] = hook
     os.environ.__class__ = _WatchedEnviron
     run_target(kind, argv)

@@ -134,9 +134,11 @@ def park_point() -> None:
     if not root:
         park.wait({})
         return
-    from supervisor.checkpoint.preload import Preloader  # only a preloading standby pays for the import here
+    # Only a preloading standby pays for this import here.
+    from supervisor.checkpoint.preload import FIRST_READ_WAIT_SECONDS, Preloader
 
-    preloader = Preloader(root).start()
+    left = getattr(park, "park_seconds_left", lambda: float("inf"))()
+    preloader = Preloader(root).start(first_wait=max(0.0, min(FIRST_READ_WAIT_SECONDS, left / 2)))
     try:
         park.wait({"preloaded": preloader.held})
     finally:
@@ -149,7 +151,7 @@ def _target() -> str | None:
     path = os.environ.get(PLAN_ENV)
     try:
         restore = LaunchPlan.read(Path(path)).restore if path else None
-    except UserError:
+    except Exception:  # load_plan reads it next, and says what is wrong with it
         return None
     if restore is None:
         return None
