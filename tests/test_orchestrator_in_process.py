@@ -110,14 +110,25 @@ def test_a_stale_segment_is_killed_only_if_its_pid_was_not_reused(tmp_path: Path
     import socket
     import subprocess
     import sys
+    import time
+
+    import psutil
 
     from supervisor.orchestrator import _kill_stale, _process_started
     from supervisor.runtime.plan import PLAN_ENV
 
+    def exec_done(proc: subprocess.Popen) -> subprocess.Popen:
+        """Popen returns while execve may still be setting up the new image, whose environment then reads as
+        empty in /proc (a reclaim can only meet a segment long after that)."""
+        deadline = time.monotonic() + 10
+        while not psutil.Process(proc.pid).environ() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return proc
+
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = {**os.environ, PLAN_ENV: str(tmp_path / "plan-0.json")}
-    child = subprocess.Popen(sleep, start_new_session=True, env=ours)
-    stranger = subprocess.Popen(sleep, start_new_session=True)  # same start time, not a segment of ours
+    child = exec_done(subprocess.Popen(sleep, start_new_session=True, env=ours))
+    stranger = exec_done(subprocess.Popen(sleep, start_new_session=True))  # same start time, not ours
     try:
         seg = {"index": 0, "pid": child.pid, "host": socket.gethostname()}
         _kill_stale(
@@ -130,7 +141,7 @@ def test_a_stale_segment_is_killed_only_if_its_pid_was_not_reused(tmp_path: Path
         assert child.poll() is None and stranger.poll() is None
         _kill_stale({**seg, "pid_started": _process_started(child.pid) + 0.5}, tmp_path)  # boot-time jitter
         assert child.wait(10) == -signal.SIGKILL
-        again = subprocess.Popen(sleep, start_new_session=True, env=ours)
+        again = exec_done(subprocess.Popen(sleep, start_new_session=True, env=ours))
         _kill_stale(
             {**seg, "pid": again.pid, "pid_started": None}, tmp_path
         )  # a record from before start times

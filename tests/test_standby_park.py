@@ -155,7 +155,11 @@ def test_a_standby_that_never_reaches_its_park_point_is_discarded_and_later_ones
         assert stuck is not None
         assert stuck.proc.wait(30) == (-9 if trouble == "hang" else 5)  # the bound killed it / it exited
         why = "had not reached its park point after 2s" if trouble == "hang" else "exited with code 5 before"
-        assert f"standby pid {stuck.pid} never used: it {why}" in caplog.text
+        said = f"standby pid {stuck.pid} never used: it {why}"
+        deadline = time.monotonic() + 30  # the launcher's watcher notices the exit on a thread of its own
+        while said not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert said in caplog.text
         (project / trouble).unlink()
         replacement = launcher.parked(timeout=10)  # parked again at once, at the imports this time
         assert replacement is not None and replacement.pid != stuck.pid
