@@ -34,8 +34,9 @@ from supervisor.checkpoint.catalog import Catalog, open_store
 from supervisor.checkpoint.manifest import ABANDONED, CKPT_PREFIX
 from supervisor.checkpoint.memory import Snapshot
 from supervisor.checkpoint.options import CheckpointInfo
-from supervisor.checkpoint.restore import ReadCancelled, read_local
+from supervisor.checkpoint.restore import ReadCancelled, read_local, restore_snapshot
 from supervisor.errors import CheckpointError
+from supervisor.stateful import CheckpointableState
 
 log = logging.getLogger("rollback_supervisor.checkpoint")
 
@@ -63,6 +64,19 @@ def take(root: str, checkpoint_id: str) -> Snapshot | None:
             return None
         del _published[key]
     return snap
+
+
+def restore_preloaded(
+    root: str, checkpoint_id: str, state: CheckpointableState, prefixes: list[str] | None
+) -> bool:
+    """Restore `checkpoint_id` of the store at `root` from the preloaded copy, if one is held: the copy is
+    handed over (`restore_snapshot(adopt=True)`), so nothing is read and no buffer is copied twice. False (and
+    nothing done) if none is held."""
+    snap = take(root, checkpoint_id)
+    if snap is None:
+        return False
+    restore_snapshot(snap, state, prefixes, adopt=True)
+    return True
 
 
 def discard() -> None:
@@ -287,5 +301,6 @@ __all__ = [
     "Preloader",
     "available_memory",
     "discard",
+    "restore_preloaded",
     "take",
 ]

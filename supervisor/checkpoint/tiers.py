@@ -99,8 +99,7 @@ class Tiers:
 
         With no tier named, a standby's preloaded copy of `info` comes first (`supervisor/checkpoint/preload.py`).
         """
-        if tier is None and (preloaded := preload.take(self.store.root, info.id)) is not None:
-            restore_snapshot(preloaded, state, prefixes, adopt=True)
+        if tier is None and preload.restore_preloaded(self.store.root, info.id, state, prefixes):
             return "preloaded"
         reasons = []
         for t in [tier] if tier else TIERS:

@@ -28,7 +28,7 @@ from safetensors.torch import save as st_save
 from supervisor.checkpoint import preload
 from supervisor.checkpoint.catalog import open_store
 from supervisor.checkpoint.options import CheckpointInfo
-from supervisor.checkpoint.restore import restore_local, restore_snapshot
+from supervisor.checkpoint.restore import restore_local
 from supervisor.errors import CheckpointError, UserError
 from supervisor.flatten import flatten, unflatten
 
@@ -187,10 +187,8 @@ class ReadOnlyCheckpoints:
         """Restore the checkpoint rank 0 named (its id), verified, read-only."""
         catalog = open_store(self.directory)
         info = catalog.get(which)
-        preloaded = preload.take(str(self.directory), which)  # this rank's standby read it ahead
-        if preloaded is not None:
-            restore_snapshot(preloaded, self.state, None, adopt=True)
-        else:
+        preloaded = preload.restore_preloaded(str(self.directory), which, self.state, None)  # read ahead
+        if not preloaded:
             restore_local(catalog, catalog.manifest(which), self.state, None, self.verify)
         log.info("rank restored checkpoint %s (read-only%s)", which, ", preloaded" if preloaded else "")
         return info
