@@ -30,6 +30,7 @@ import time
 
 import psutil
 
+from supervisor.cgroup import memory_headroom
 from supervisor.checkpoint.catalog import Catalog, open_store
 from supervisor.checkpoint.manifest import ABANDONED, CKPT_PREFIX
 from supervisor.checkpoint.memory import Snapshot
@@ -90,31 +91,10 @@ def discard() -> None:
 
 def available_memory() -> int:
     """Bytes of memory this process may still allocate: the machine's available memory, or less where its
-    cgroup (a container, a SLURM job; v2 or v1's memory controller) limits it."""
+    cgroup (a container, a SLURM job) limits it."""
     available = psutil.virtual_memory().available
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return available
-    for _, controllers, group in (parts for parts in lines if len(parts) == 3):
-        if controllers == "":  # v2
-            files = ("/sys/fs/cgroup", "memory.max", "memory.current")
-        elif "memory" in controllers.split(","):  # v1
-            files = ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
-        else:
-            continue
-        base = os.path.join(files[0], group.lstrip("/"))
-        try:
-            with open(os.path.join(base, files[1])) as f:
-                limit = f.read().strip()
-            with open(os.path.join(base, files[2])) as f:
-                used = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit != "max":
-            available = min(available, int(limit) - used)
-    return available
+    headroom = memory_headroom()
+    return available if headroom is None else min(available, headroom)
 
 
 class Preloader:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor.cgroup import memory_cgroup_dir
 from supervisor.errors import UserError
 from supervisor.events import PROCESS_EVENTS, Event
 from supervisor.exitcodes import EXIT_ANOMALY, EXIT_OK, EXIT_PREEMPTED, EXIT_STOPPED
@@ -221,7 +222,7 @@ def read_oom_kills(cgroup_dir: str | Path | None = None, pid: int | str = "self"
     """
     try:
         if cgroup_dir is None:
-            cgroup_dir = _cgroup_dir(pid)
+            cgroup_dir = memory_cgroup_dir(pid)
         root = Path(cgroup_dir)
         for name in ("memory.events", "memory.oom_control"):
             path = root / name
@@ -233,13 +234,3 @@ def read_oom_kills(cgroup_dir: str | Path | None = None, pid: int | str = "self"
     except (OSError, ValueError):
         return None
     return None
-
-
-def _cgroup_dir(pid: int | str) -> Path:
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        hierarchy, controllers, path = line.split(":", 2)
-        if hierarchy == "0" and controllers == "":
-            return Path("/sys/fs/cgroup") / path.lstrip("/")
-        if "memory" in controllers.split(","):
-            return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    raise OSError(f"/proc/{pid}/cgroup: no memory cgroup found")
