@@ -1,4 +1,4 @@
-"""Exit codes of a supervised training process; the README documents them."""
+"""Exit codes of a supervised training process; docs/reliability.md documents them."""
 
 EXIT_OK = 0  #: training finished
 EXIT_FAILED = 1  #: an error in the training code (a traceback on stderr)

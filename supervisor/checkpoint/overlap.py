@@ -10,7 +10,7 @@ caller passes those as `now`.
 On the CPU the late copy is the chunked memcpy of `fastcopy` on a thread. On a GPU it is a device-to-host copy
 into pinned buffers on a side stream that first waits for the current stream (so it reads the values the step
 wrote); `wait()` synchronizes on its event. Whether it pays on a host is measured by `benchmarks/overlap.py`
-(README, "Checkpoint speed").
+(docs/benchmarks.md, "Checkpoints").
 """
 
 from __future__ import annotations
