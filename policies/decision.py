@@ -18,6 +18,8 @@ class Decision:
     `lr_scale` is this decision's own factor, applied on top of the learning rate restored from the target
     checkpoint (1.0 = unchanged); it is not a product over earlier rollbacks.
     A relaunch (`resume`/`rollback`) with `target_id` None restarts from scratch at step 0.
+    `fallback` is True when the rule's target matched no checkpoint and the newest one the rule may relaunch from
+    was taken instead (the reason says why); it is written only when True, so older records read back unchanged.
     """
 
     action: ActionName
@@ -29,6 +31,7 @@ class Decision:
     reason: str
     rule_index: int | None = None
     event: Event
+    fallback: bool = False
 
     @property
     def relaunches(self) -> bool:
@@ -43,6 +46,8 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["event"] = self.event.to_dict()
+        if not self.fallback:
+            del data["fallback"]
         return data
 
     @classmethod

@@ -28,6 +28,8 @@ def decide(
     """Decide what to do about `event`; `now` is the caller's clock and `rng_seed` fixes the backoff jitter.
 
     The history is read, never changed: record the returned decision with `history.record(event, d, now)`.
+    A relaunch whose target matches no checkpoint falls back to the newest one the rule may use (`fallback`
+    True, the reason says why) unless the target is `strict`; with none at all, `allow_scratch` decides.
     `in_process`: the training process asks and carries out a rollback with a target itself, so that
     decision has no relaunch delay and says so.
     """
@@ -138,6 +140,8 @@ def _relaunch(
     ):
         shown = getattr(chosen, "id", chosen)
         return _fail(event, index, f"{head}; selector {selector} returned {shown!r}, not a valid candidate")
+    verb = "roll back to" if rollback else "resume from"
+    fell_back = False
     if chosen is None:
         scope = f"{len(candidates)} valid checkpoint(s)" + (
             f" at or before step {selectors.last_clean_step(onset)} (onset {onset})"
@@ -145,27 +149,34 @@ def _relaunch(
             else ""
         )
         scope += f" ({skipped})" if skipped else ""
-        if not rule.allow_scratch:
-            return _fail(
-                event,
-                index,
-                f"{head}; no checkpoint matches {selector} among {scope}, and allow_scratch is "
-                "false, so the run fails",
+        missed = f"no checkpoint matches {selector} among {scope}"
+        # A target too far back for the catalogue (early in a run, after a gap in checkpoints) must not end a run
+        # that has a healthy checkpoint before the onset to go back to; `strict` keeps the old all-or-nothing.
+        strict = rule.target is not None and rule.target.strict
+        chosen = None if strict else selectors.latest()(candidates, event)
+        if chosen is not None:
+            fell_back = True
+            newest = "newest " + ("checkpoint" if policy.checkpoint.allow_nonfinite else "healthy checkpoint")
+            where = " before the onset" if rollback and onset is not None else ""
+            notes.insert(
+                0,
+                f"{missed}; falling back to the {newest}{where} (target.strict: false): {verb} "
+                f"{_describe_record(chosen, getattr(selector, 'metric', None))}",
             )
-        notes.insert(
-            0, f"no checkpoint matches {selector} among {scope}; restarting from scratch (allow_scratch)"
-        )
+            if not chosen.healthy:
+                notes.insert(1, _unhealthy(chosen))
+        elif not rule.allow_scratch:
+            return _fail(event, index, f"{head}; {missed}, and allow_scratch is false, so the run fails")
+        else:
+            notes.insert(0, f"{missed}; restarting from scratch (allow_scratch)")
     else:
-        verb = "roll back to" if rollback else "resume from"
         why = f"chosen by {selector}"
         lookback = getattr(selector, "lookback_steps", None)
         if lookback is not None:
             why += f", i.e. saved at or before step {selectors.cutoff_step(candidates, event, lookback)}"
         notes.insert(0, f"{verb} {_describe_record(chosen, getattr(selector, 'metric', None))} {why}")
         if not chosen.healthy:
-            notes.insert(
-                1, f"{chosen.id} is unhealthy (NaN or infinity), allowed by checkpoint.allow_nonfinite"
-            )
+            notes.insert(1, _unhealthy(chosen))
         if skipped:
             notes.insert(1, skipped)
     rollbacks_after = history.rollbacks + int(rollback)
@@ -194,6 +205,7 @@ def _relaunch(
         reason=f"{head}; " + "; ".join(notes),
         rule_index=index,
         event=event,
+        fallback=fell_back,
     )
 
 
@@ -247,6 +259,10 @@ def _escalate(
         f"recurrence {level} of {escalation.max_escalations} allowed: lookback {base} x{factor:g} "
         f"= {widened.lookback_steps} steps"  # type: ignore[attr-defined]
     )
+
+
+def _unhealthy(record: CheckpointRecord) -> str:
+    return f"{record.id} is unhealthy (NaN or infinity), allowed by checkpoint.allow_nonfinite"
 
 
 def _describe_record(record: CheckpointRecord, metric: str | None) -> str:

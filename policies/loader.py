@@ -255,10 +255,10 @@ def _walk(loc: list[Any], root: yaml.Node | None, index: _Index, start: Any = Po
     return spot
 
 
-def _suggest(word: Any, options: list[str]) -> str:
+def _suggest(word: Any, options: list[str], cutoff: float = 0.6) -> str:
     if not isinstance(word, str):
         return ""
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(word, options, n=1, cutoff=cutoff)
     return f' (did you mean "{close[0]}"?)' if close else ""
 
 
@@ -317,7 +317,10 @@ def _explain(
     if kind == "extra_forbidden":
         spot = _walk(loc, root, index, start)
         known = list(model_keys(spot.parent)) if spot.parent else []
-        hint = _suggest(loc[-1], known) or (f" (known keys: {', '.join(known)})" if known else "")
+        # Only a near miss is a typo ("sigma" for sigmas); "metric" is not "strict": list the keys instead.
+        hint = _suggest(loc[-1], known, cutoff=0.75) or (
+            f" (known keys: {', '.join(known)})" if known else ""
+        )
         node = spot.key_node or spot.node
         return spot, node, f"expected a known key, got unknown key {brief(str(loc[-1]))}{hint}"
     spot = _walk(loc, root, index, start)

@@ -139,7 +139,9 @@ class Rule(Spec):
     )
     allow_scratch: bool = Field(
         False,
-        description="Restart from step 0 when no valid checkpoint matches the target, instead of failing.",
+        description="Restart from step 0, instead of failing, when there is no checkpoint to relaunch from: none "
+        "the rule may use at all, or none matching a `target` with `strict: true` (a target that is not strict "
+        "falls back to the newest usable checkpoint first).",
     )
 
     @model_validator(mode="after")
@@ -314,6 +316,22 @@ class ScriptCheckpoints(Spec):
         allow_inf_nan=False,
         description="A changed file is versioned once it has been unchanged this long (and at the script's exit).",
     )
+    expect_within_steps: int | None = Field(
+        None,
+        ge=1,
+        examples=[250],
+        description="The script's first save comes within this many steps of the step a segment starts at "
+        "(nanoGPT: its `eval_interval`). Once the output has printed a step past that and `glob` has still "
+        "matched no file, a warning says so. Needs `output.patterns` (the steps are read from the output). Null: "
+        "no step is expected, only `warn_after_seconds` applies.",
+    )
+    warn_after_seconds: float | None = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Warn when `glob` has matched no file this many seconds after a segment started; set it "
+        "above the script's time to its first save. Null: never by time.",
+    )
 
     @field_validator("glob")
     @classmethod
@@ -445,6 +463,12 @@ class ScriptConfig(Spec):
                 "checkpoints.step_from",
                 "name or sidecar when output.patterns is empty (no step is read from the output)",
                 "output",
+            )
+        if self.checkpoints.expect_within_steps is not None and not self.output.patterns:
+            raise problem(
+                "checkpoints.expect_within_steps",
+                "null when output.patterns is empty (no step is read from the output to compare with it)",
+                self.checkpoints.expect_within_steps,
             )
         return self
 

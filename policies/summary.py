@@ -10,7 +10,7 @@ from policies.monitor_schema import (
     SpikeSpec,
     ThresholdSpec,
 )
-from policies.schema import Policy, Rule
+from policies.schema import Policy, Rule, ScriptCheckpoints
 from policies.targets import BeforeTarget, BestBeforeTarget, BestTarget, CustomTarget, LatestTarget
 from supervisor.events import EVENT_TYPES
 
@@ -45,6 +45,8 @@ def _checkpoints(policy: Policy) -> list[str]:
         )
     if c.every_seconds is not None:
         when.append(f"every {c.every_seconds:g} s")
+    if len(when) > 1:  # save_policy.build_save_policy: both then count from the last save
+        when[-1] += " after the last save, whichever comes first"
     how = f"in the background ({c.memory_slots} memory slots)" if c.async_ else "synchronously"
     verify = {
         "full": "hashed in full",
@@ -55,7 +57,11 @@ def _checkpoints(policy: Policy) -> list[str]:
     if c.keep_best:
         kept.append(f"the {c.keep_best.count} best by {c.keep_best.metric} ({_BETTER[c.keep_best.mode]})")
     if c.keep_every_steps:
-        kept.append(f"every multiple of {c.keep_every_steps} steps")
+        by = "adaptive" if c.adaptive else "every_seconds" if c.every_seconds is not None else None
+        drift = (
+            f" (with {by}, saves count from the last one, so they need not land on such a step)" if by else ""
+        )
+        kept.append(f"every multiple of {c.keep_every_steps} steps{drift}")
     lines = [
         f"  Saved {' or '.join(when)}, {how}, to {c.storage}; {verify[c.verify]} before a restore.",
         f"  Kept: {_join(kept)}.",
@@ -129,8 +135,23 @@ def _on_event(policy: Policy, event_type: str) -> str:
         extras.append(f"scale the learning rate by {rule.lr_scale:g}" + _unsupported(policy, "lr_scale"))
     if extras:
         text += "; " + "; ".join(extras)
-    fallback = "restart from scratch" if rule.allow_scratch else "the run fails"
-    return f"{text}. If there is none, {fallback}."
+    return f"{text}. {_fallback(policy, rule)}"
+
+
+def _fallback(policy: Policy, rule: Rule) -> str:
+    """What a relaunch rule does when its target matches no checkpoint, in words."""
+    last = "restart from scratch" if rule.allow_scratch else "the run fails"
+    t = rule.target
+    if t is None or isinstance(t, LatestTarget):  # nothing older to fall back to
+        return f"If there is none, {last}."
+    if t.strict:
+        return f"If none matches, {last} (target.strict: true, no fallback)."
+    newest = "the newest checkpoint" if policy.checkpoint.allow_nonfinite else "the newest healthy checkpoint"
+    where = " saved before the anomaly's onset" if rule.action == "rollback" else ""
+    return (
+        f"If none matches, fall back to {newest}{where} instead (the decision says fallback: true); "
+        f"if there is none at all, {last}."
+    )
 
 
 def _unsupported(policy: Policy, field: str) -> str:
@@ -198,6 +219,7 @@ def _script(policy: Policy) -> list[str]:
         f"  Checkpoint files: {files.glob} under the command's working directory, checked every "
         f"{files.scan_seconds:g} s and versioned once {whole}unchanged for {files.settle_seconds:g} s; a "
         f"version's step is {step}.",
+        _first_save(files),
         f"  Relaunch: the command plus {args or 'nothing'}" + (f" ({values})" if values else "") + "; a "
         "relaunch from scratch runs the command as first given.",
         f"  Relaunch arguments at lr_scale 1 with no skip: {' '.join(rendered) or 'none'} (a --key=value of "
@@ -211,6 +233,22 @@ def _script(policy: Policy) -> list[str]:
         if policy.monitor.preemption_notice.provider != "none"
         else []
     )
+
+
+def _first_save(files: ScriptCheckpoints) -> str:
+    """When a glob that has matched no file is warned about (supervisor.script.first_save), in words."""
+    when = []
+    if files.expect_within_steps is not None:
+        when.append(
+            f"once the script prints a step more than {files.expect_within_steps} steps past the one a segment "
+            "started at (expect_within_steps)"
+        )
+    if files.warn_after_seconds is not None:
+        when.append(f"{files.warn_after_seconds:g} s after a segment starts (warn_after_seconds)")
+    if not when:
+        return "  A glob that matches no file is never warned about (expect_within_steps and warn_after_seconds are null)."
+    first = ", whichever comes first" if len(when) > 1 else ""
+    return f"  A glob that has matched no file yet is warned about {_join(when, 'or')}{first}."
 
 
 def _target(rule: Rule) -> str:

@@ -18,11 +18,24 @@ TARGET_SELECT_ERROR = "target_select"
 CUSTOM_PATTERN = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
+def _strict() -> Any:
+    """The `strict` key every target kind has."""
+    return Field(
+        False,
+        description="When no checkpoint matches this target: `false` falls back to the newest checkpoint the rule "
+        "may relaunch from (valid, healthy unless `checkpoint.allow_nonfinite`, and for a rollback saved before "
+        "the anomaly's onset), and the decision records `fallback: true` and why; `true` keeps to the target, so "
+        "`allow_scratch` decides (restart from scratch, or fail). With no such checkpoint at all, `allow_scratch` "
+        "decides either way.",
+    )
+
+
 class LatestTarget(Spec):
     """Relaunch from the newest valid checkpoint."""
 
     TAG: ClassVar[str] = "latest"
     select: Literal["latest"] = Field(description="`latest`: the newest valid checkpoint.")
+    strict: bool = _strict()
 
     def build(self) -> selectors.Selector:
         return selectors.latest()
@@ -35,6 +48,7 @@ class BestTarget(Spec):
     select: Literal["best"] = Field(description="`best`: the valid checkpoint with the best `metric`.")
     metric: str = Field(min_length=1, description="Metric recorded with each checkpoint, e.g. val_loss.")
     mode: Mode = Field("min", description="`min` if lower is better, `max` if higher is better.")
+    strict: bool = _strict()
 
     def build(self) -> selectors.Selector:
         return selectors.best(self.metric, self.mode)
@@ -50,6 +64,7 @@ class BeforeTarget(Spec):
     lookback_steps: int = Field(
         ge=0, description="How many steps before the anomaly's onset the checkpoint must be."
     )
+    strict: bool = _strict()
 
     def build(self) -> selectors.Selector:
         return selectors.before(self.lookback_steps)
@@ -67,6 +82,7 @@ class BestBeforeTarget(Spec):
     lookback_steps: int = Field(
         ge=0, description="How many steps before the anomaly's onset the checkpoint must be."
     )
+    strict: bool = _strict()
 
     def build(self) -> selectors.Selector:
         return selectors.best_before(self.metric, self.mode, self.lookback_steps)
@@ -82,9 +98,11 @@ class CustomTarget(Spec):
         pattern=CUSTOM_PATTERN,
         examples=["mypkg.selectors:healthy_loss_scale"],
         description='"module:function" of a custom selector, imported at load time and called as '
-        "`function(catalogue, event, **options)` where options are this block's other keys; the module must be "
+        "`function(catalogue, event, **options)` where options are this block's other keys but `strict`; the "
+        "module must be "
         "importable (installed or on PYTHONPATH).",
     )
+    strict: bool = _strict()
     _function: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -113,7 +131,7 @@ class CustomTarget(Spec):
 
     @property
     def options(self) -> dict[str, Any]:
-        """The block's keys other than `select`, passed to the function."""
+        """The block's keys other than `select` and `strict`, passed to the function."""
         return dict(self.model_extra or {})
 
     def build(self) -> selectors.Selector:

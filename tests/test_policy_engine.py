@@ -110,6 +110,7 @@ class Case:
     rule: int | None = None
     reason_has: tuple[str, ...] = ()
     yaml: str = POLICY
+    fallback: bool = False
 
 
 def _custom(function: str) -> str:
@@ -239,7 +240,21 @@ CASES = [
         history=past(("spike", "resume", 600), ("spike", "resume", 600)),
     ),
     Case(
-        "no target, no scratch",
+        "no match falls back to the newest before onset",
+        ev("spike", 150, 120),
+        "rollback",
+        "c100",
+        skip=300,
+        lr=0.5,
+        rule=0,
+        fallback=True,
+        reason_has=(
+            "no checkpoint matches best_before(val_loss, min, lookback_steps=100)",
+            "falling back to the newest healthy checkpoint before the onset",
+        ),
+    ),
+    Case(
+        "strict target, no match, no scratch",
         ev("spike", 150, 120),
         "fail",
         None,
@@ -248,14 +263,24 @@ CASES = [
             "no checkpoint matches best_before(val_loss, min, lookback_steps=100)",
             "allow_scratch is false",
         ),
+        yaml=POLICY.replace("lookback_steps: 100}", "lookback_steps: 100, strict: true}"),
     ),
     Case(
-        "no target, scratch allowed",
+        "strict target, no match, scratch allowed",
         ev("divergence", 300, 240),
         "rollback",
         None,
         rule=2,
         reason_has=("restarting from scratch (allow_scratch)",),
+        yaml=POLICY.replace("lookback_steps: 250}", "lookback_steps: 250, strict: true}"),
+    ),
+    Case(
+        "nothing before onset, scratch allowed",
+        ev("divergence", 90, 90),
+        "rollback",
+        None,
+        rule=2,
+        reason_has=("among 0 valid checkpoint(s) at or before step 88", "restarting from scratch"),
     ),
     Case("empty catalogue resume", ev("preemption", 10), "fail", None, rule=4, catalogue=()),
     Case(
@@ -316,6 +341,7 @@ def test_decision_table(case: Case):
     policy = parse_policy(case.yaml)
     decision = decide(policy, case.event, case.history, case.catalogue, now=NOW, rng_seed=7)
     assert (decision.action, decision.target_id) == (case.action, case.target), decision.reason
+    assert decision.fallback == case.fallback, decision.reason
     assert decision.rule_index == case.rule
     assert decision.event == case.event
     for words in case.reason_has:

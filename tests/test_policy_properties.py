@@ -1,4 +1,5 @@
-"""Property tests of the decision engine: rollback targets stay before onset - lookback, budgets hold, same in = same out."""
+"""Property tests of the decision engine: rollback targets stay before onset - lookback (or fall back to the newest
+before the onset), budgets hold, same in = same out."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies import CheckpointRecord, Decision, History, Policy, decide
-from policies.selectors import onset_of
+from policies.selectors import last_clean_step, onset_of
 from supervisor.events import EVENT_TYPES, METRIC_EVENTS, Event
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -58,6 +59,7 @@ def policy_docs(draw) -> dict:
             ]
         )
     )
+    target = {**target, "strict": draw(st.booleans())}
     max_restarts = draw(st.integers(1, 8))
     escalation = draw(
         st.one_of(
@@ -122,8 +124,14 @@ def test_rollback_target_is_valid_and_at_or_before_onset_minus_lookback(doc, eve
     chosen = by_id[decision.target_id]
     onset = onset_of(event)
     if onset is not None:
-        assert chosen.step < onset
-    lookback = doc["rules"][0]["target"].get("lookback_steps")
+        assert chosen.step <= last_clean_step(onset)
+    target = doc["rules"][0]["target"]
+    if decision.fallback:  # the target matched nothing: the newest valid checkpoint before the onset instead
+        assert not target["strict"]
+        usable = [c for c in catalogue if c.valid and (onset is None or c.step <= last_clean_step(onset))]
+        assert chosen.step == max(c.step for c in usable)
+        return
+    lookback = target.get("lookback_steps")
     if lookback is not None:
         anchor = onset if onset is not None else max(c.step for c in catalogue if c.valid)
         assert chosen.step <= anchor - lookback

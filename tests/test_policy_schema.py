@@ -17,13 +17,13 @@ from policies.type_words import model_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The v1 example from issue 4, verbatim: palm-spike.yaml must be exactly this.
+# The v1 example from issue 4, with issue 30's time trigger (every_seconds): palm-spike.yaml must be exactly this.
 ISSUE_EXAMPLE = """\
 version: 1
 name: palm-spike
 checkpoint:
   every_steps: 200
-  every_seconds: null          # optional time-based trigger
+  every_seconds: 600           # also save at least every 10 minutes, so no run goes long without a checkpoint
   adaptive: false              # pick the interval from measured save cost and observed failure rate (Young/Daly), capped by every_steps
   keep_last: 3
   keep_best: {metric: val_loss, mode: min, count: 2}
@@ -209,15 +209,16 @@ def test_custom_selector_is_imported_at_load_time_with_its_options():
     policy = parse_policy(
         "version: 1\nname: x\nrules:\n"
         "  - when: [spike]\n    action: rollback\n"
-        "    target: {select: 'tests.test_policy_engine:lowest_loss_scale', metric: scale, minimum: 8}\n"
+        "    target: {select: 'tests.test_policy_engine:lowest_loss_scale', metric: scale, minimum: 8, strict: true}\n"
     )
     target = policy.rules[0].target
     from tests.test_policy_engine import lowest_loss_scale
 
-    assert target.options == {"metric": "scale", "minimum": 8}
+    assert target.options == {"metric": "scale", "minimum": 8}  # `strict` is the engine's, not the selector's
     assert target.build().function is lowest_loss_scale
     assert target.model_dump() == {
         "select": "tests.test_policy_engine:lowest_loss_scale",
+        "strict": True,
         "metric": "scale",
         "minimum": 8,
     }

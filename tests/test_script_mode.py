@@ -27,7 +27,8 @@ from supervisor.launcher import LaunchSpec, LocalLauncher
 from supervisor.monitor import DetectorSet, build_detectors
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.script import opaque
-from supervisor.script.files import EMPTY_SCANS, PENDING_SCANS, ScriptFiles, glob_regex
+from supervisor.script.files import PENDING_SCANS, ScriptFiles, glob_regex
+from supervisor.script.first_save import FirstSave
 from supervisor.script.mode import ScriptMode, SegmentPaths
 from supervisor.script.output import OutputParser, Parsed, pattern_problem
 from supervisor.script.scanner import ExitWatch, FileScanner
@@ -187,6 +188,15 @@ SCHEMA_ERRORS = [
         f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: 'c/*.pt', step_from: name}}\n",
         ":11:16: script.checkpoints.step_pattern: expected a regular expression with a named group `step` "
         "for step_from: name",
+    ),
+    (
+        "  checkpoints: {glob: out/meta.txt, step_from: sidecar, sidecar: out/meta.txt, expect_within_steps: 50}\n",
+        ":10:101: script.checkpoints.expect_within_steps: expected null when output.patterns is empty (no step is "
+        "read from the output to compare with it), got 50",
+    ),
+    (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt, warn_after_seconds: 0}}\n",
+        ":11:56: script.checkpoints.warn_after_seconds: expected a number > 0 or null, got 0",
     ),
 ]
 
@@ -705,17 +715,137 @@ def test_a_sidecar_the_glob_does_not_match_is_a_policy_error_with_exit_2(tmp_pat
     assert "script.checkpoints.sidecar" in capsys.readouterr().err
 
 
-def test_a_file_pending_for_scans_and_a_glob_matching_nothing_are_warned_about(tmp_path, caplog):
+def test_a_file_pending_for_scans_is_warned_about_once(tmp_path, caplog):
     caplog.set_level("WARNING", logger="rollback_supervisor.script")
     ckpt = tmp_path / "run" / "out" / "ckpt.pt"
     with _files(tmp_path, [5], settle_seconds=3600.0) as files:
-        for _ in range(EMPTY_SCANS):
-            assert files.scan() == []
-        assert caplog.text.count("has matched no file under") == 1
         _save(ckpt, 1.0, 5)
         for _ in range(PENDING_SCANS + 3):
             assert files.scan() == []  # never settles
     assert caplog.text.count(f"out/ckpt.pt has been pending for {PENDING_SCANS} scans") == 1
+
+
+FIRST_SAVE_CASES = [
+    # (first save expected, seconds since the segment started, step printed last, the warning's words or None)
+    (FirstSave(0, 50, 300.0), 10.0, None, None),
+    (FirstSave(0, 50, 300.0), 10.0, 50, None),  # the save of step 50 may still be on its way
+    (FirstSave(0, 50, 300.0), 10.0, 51, "printed step 51, past step 50 by which its first save was expected"),
+    (FirstSave(1000, 50, 300.0), 10.0, 1040, None),  # a relaunch at step 1000 saves by step 1050
+    (FirstSave(1000, 50, 300.0), 10.0, 1051, "(script.checkpoints.expect_within_steps: 50 from step 1000)"),
+    (
+        FirstSave(0, 50, 300.0),
+        300.0,
+        3,
+        "it is 300 s since the segment started (script.checkpoints.warn_after_seconds: 300)",
+    ),
+    (FirstSave(0, None, 300.0), 299.0, 10_000, None),  # no step expected: only the time counts
+    (FirstSave(0, None, None), 1e9, 10_000, None),  # both off: never
+]
+
+
+@pytest.mark.parametrize(("first", "elapsed", "printed", "words"), FIRST_SAVE_CASES)
+def test_the_first_save_is_overdue_past_its_step_or_its_time(first, elapsed, printed, words):
+    why = first.overdue(elapsed, printed)
+    assert (why is None) if words is None else (words in why), why
+
+
+def _watched(tmp_path: Path, printed: list[int | None], clock: Clock, first: FirstSave) -> ScriptFiles:
+    """Script files whose output has printed `printed[0]` last, on `clock`, with nothing saved yet."""
+    return _files(tmp_path, [0], clock=clock, first_save=first, printed_step=lambda: printed[0])
+
+
+def test_no_warning_after_many_scans_while_the_printed_step_is_before_the_first_save(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    clock, printed = Clock(), [None]
+    with _watched(tmp_path, printed, clock, FirstSave(0, 50, 300.0)) as files:
+        for step in range(50):  # a scan a second, a step a second: 50 s in, at step 49, nothing saved yet
+            printed[0], clock.now = step, clock.now + 1
+            assert files.scan() == []
+    assert "has matched no file" not in caplog.text
+
+
+def test_a_step_past_the_first_save_with_no_file_is_warned_about_once(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    clock, printed = Clock(), [49]
+    with _watched(tmp_path, printed, clock, FirstSave(0, 50, 300.0)) as files:
+        files.scan()
+        printed[0] = 51
+        for _ in range(3):
+            files.scan()
+    assert caplog.text.count("has matched no file") == 1
+    assert (
+        "script.checkpoints.glob 'out/ckpt.pt' has matched no file under "
+        f"{tmp_path / 'run'}, and the script printed step 51, past step 50 by which its first save was expected"
+    ) in caplog.text
+
+
+def test_a_glob_matching_nothing_is_warned_about_after_the_configured_time(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    clock, printed = Clock(), [None]  # metrics from MLflow only: no step is ever printed
+    with _watched(tmp_path, printed, clock, FirstSave(0, None, 120.0)) as files:
+        clock.now += 119
+        files.scan()
+        assert "has matched no file" not in caplog.text
+        clock.now += 1
+        files.scan()
+        files.scan()
+    assert caplog.text.count("has matched no file") == 1
+    assert "it is 120 s since the segment started (script.checkpoints.warn_after_seconds: 120)" in caplog.text
+
+
+def test_a_file_once_matched_silences_the_warning(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    clock, printed = Clock(1e12), [10]
+    with _watched(tmp_path, printed, clock, FirstSave(0, 50, 300.0)) as files:
+        _save(tmp_path / "run" / "out" / "ckpt.pt", 1.0, 10)
+        files.scan()
+        (tmp_path / "run" / "out" / "ckpt.pt").unlink()  # gone again, but the glob did match: no warning
+        printed[0], clock.now = 500, clock.now + 1000
+        files.scan()
+    assert "has matched no file" not in caplog.text
+
+
+def test_a_segment_expects_its_first_save_from_the_policy_and_its_printed_steps(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="rollback_supervisor.script")
+    section = (
+        f"  output: {{patterns: ['{NANOGPT}']}}\n"
+        "  checkpoints: {glob: out/ckpt.pt, expect_within_steps: 250, warn_after_seconds: 900}\n"
+    )
+    mode = ScriptMode(parse_policy(BASE + section, "p.yaml"), "p.yaml", tmp_path / "store", cwd=str(tmp_path))
+    lineage = tmp_path / "w" / "lineages" / "L"
+    paths = SegmentPaths(lineage / "0.jsonl", lineage / "heartbeat.json", lineage / "faults.json")
+    seg = mode.segment(0, RestoreSpec(), ("python", "t.py"), paths, {}, None)
+    assert seg.files.first_save == FirstSave(0, 250, 900.0)
+    with seg.files as files:
+        seg.tap("stdout", "iter 250: loss 2.0")
+        files.scan()
+        assert "has matched no file" not in caplog.text
+        seg.tap("stdout", "iter 251: loss 2.0")
+        files.scan()
+    seg.tap.close()
+    assert "the script printed step 251, past step 250 by which its first save was expected" in caplog.text
+
+
+def test_the_policy_explains_when_a_glob_matching_nothing_is_warned_about():
+    policy = parse_policy(
+        BASE + f"  output: {{patterns: ['{NANOGPT}']}}\n"
+        "  checkpoints: {glob: out/ckpt.pt, expect_within_steps: 250, warn_after_seconds: 900}\n"
+    )
+    assert (
+        "  A glob that has matched no file yet is warned about once the script prints a step more than 250 steps "
+        "past the one a segment started at (expect_within_steps) or 900 s after a segment starts "
+        "(warn_after_seconds), whichever comes first."
+    ) in summarize(policy).splitlines()
+    default = parse_policy(
+        BASE + f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt}}\n"
+    )
+    assert default.script.checkpoints.warn_after_seconds == 300.0
+    assert "warned about 300 s after a segment starts (warn_after_seconds)." in summarize(default)
+    off = parse_policy(
+        BASE
+        + f"  output: {{patterns: ['{NANOGPT}']}}\n  checkpoints: {{glob: out/ckpt.pt, warn_after_seconds: null}}\n"
+    )
+    assert "A glob that matches no file is never warned about" in summarize(off)
 
 
 def test_a_version_takes_the_metrics_printed_by_its_own_step(tmp_path):

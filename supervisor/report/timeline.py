@@ -99,6 +99,7 @@ def _row(
         "action": d.get("action"),
         "target_id": d.get("target_id"),
         "target_step": d.get("target_step"),
+        "fallback": d.get("fallback") is True,  # the target matched nothing; the newest usable one was taken
         "skip_batches": d.get("skip_batches", 0),
         "lr_scale": d.get("lr_scale", 1.0),
         "delay_seconds": d.get("delay_seconds", 0.0),
@@ -298,6 +299,8 @@ def rich_table(record: RecordLike) -> Table:
         decision = Text(row["action"] or "-", style=ACTION_STYLES.get(row["action"] or "", ""))
         if row.get("target_id"):
             decision.append(f" → step {row['target_step']}\n{row['target_id']}")
+            if row.get("fallback"):
+                decision.append("\n(fallback)", style="dim")
         elif row["action"] in RELAUNCH_ACTIONS:
             decision.append(" → scratch")
         if row["action"] in RELAUNCH_ACTIONS:

@@ -14,8 +14,9 @@ The supervisor's own files are never matched, whatever the glob: the store, and 
 work directory, the lineage directory, the MLflow sqlite file) when they lie under the working directory. A
 `**` glob with the work directory under the working directory would otherwise version the store's own blobs.
 
-A file that stays pending (changing, or its step unknown) for `PENDING_SCANS` scans, and a glob that has
-matched nothing for `EMPTY_SCANS` scans, are each warned about once per segment.
+A file that stays pending (changing, or its step unknown) for `PENDING_SCANS` scans is warned about once per
+segment, and so is a glob that has matched nothing once its first save is overdue (`first_save.py`: the script
+printed a step past the one its first save was expected by, or `warn_after_seconds` passed since `open()`).
 
 What a version holds depends on the step rule (`steps.py`): with steps from file names, each step is its own
 version (the files whose names carry it); otherwise a version is a snapshot of every matched file.
@@ -62,6 +63,7 @@ from supervisor.checkpoint.paths import name_leaves
 from supervisor.checkpoint.retention import RetentionPolicy, apply_retention
 from supervisor.errors import CheckpointCorrupt, CheckpointError
 from supervisor.script import opaque
+from supervisor.script.first_save import FirstSave
 from supervisor.script.output import glob_regex
 from supervisor.script.steps import StepRule
 
@@ -75,8 +77,6 @@ ASIDE = "aside"
 KIND = "script-files"
 #: Scans a matched file may stay pending (changed, not versioned) before a warning says so.
 PENDING_SCANS = 5
-#: Scans with no file matching the glob before a warning says so.
-EMPTY_SCANS = 10
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,8 @@ class ScriptFiles:
         parent_id: str | None = None,
         exclude: Sequence[Path | str] = (),
         sidecar: str | None = None,
+        first_save: FirstSave | None = None,
+        printed_step: Callable[[], int | None] = lambda: None,
         clock: Callable[[], float] = time.time,
     ):
         self.root, self.glob, self.store_dir = Path(root), glob, Path(store_dir)
@@ -158,8 +160,12 @@ class ScriptFiles:
         self.sidecar = sidecar  #: the sidecar's relative path: a few bytes of text, never zip-checked
         self._pending: dict[str, int] = {}  # rel -> scans it has been pending without a version
         self._warned_pending: set[str] = set()
-        self._scans = 0
+        #: When a glob that has matched nothing is warned about; `printed_step`: the step the script printed last.
+        self.first_save = first_save if first_save is not None else FirstSave()
+        self.printed_step = printed_step
+        self._opened_at: float | None = None
         self._ever_matched = False
+        self._warned_empty = False
         self._store: LocalStore | None = None
         self._index: dict[str, tuple[TensorRef, FileEntry]] = {}  # digest -> a stored blob holding it
         self._newest: dict[int | None, tuple[str, dict[str, str]]] = {}  # group -> (id, {rel: digest})
@@ -175,6 +181,7 @@ class ScriptFiles:
         note the files already in place so that only later changes are versioned."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._store = LocalStore(self.store_dir)
+        self._opened_at = self._clock()
         self._reindex()
         if baseline:
             self._baseline()
@@ -304,7 +311,6 @@ class ScriptFiles:
         """
         now = self._clock()
         found = self.matches()
-        self._scans += 1
         self._ever_matched = self._ever_matched or bool(found)
         changed: dict[str, Signature] = {}
         waiting: set[str] = set()
@@ -336,13 +342,13 @@ class ScriptFiles:
                     committed.append(cid)
         if committed:
             self._retain()
-        self._warn_stalled(found, changed, waiting)
+        self._warn_stalled(found, changed, waiting, now)
         return committed
 
     def _warn_stalled(
-        self, found: Mapping[str, Signature], changed: Mapping[str, Any], waiting: set[str]
+        self, found: Mapping[str, Signature], changed: Mapping[str, Any], waiting: set[str], now: float
     ) -> None:
-        """Warn once about a file pending for `PENDING_SCANS` scans, and a glob matching nothing."""
+        """Warn once about a file pending for `PENDING_SCANS` scans, and a glob matching nothing when overdue."""
         for rel in [*changed, *waiting]:
             if rel in self.known and self.known[rel][0] == found[rel]:
                 self._pending.pop(rel, None)
@@ -357,13 +363,18 @@ class ScriptFiles:
                     rel,
                     count,
                 )
-        if self._scans == EMPTY_SCANS and not self._ever_matched:
+        if self._ever_matched or self._warned_empty:
+            return
+        elapsed = now - (self._opened_at if self._opened_at is not None else now)
+        why = self.first_save.overdue(elapsed, self.printed_step())
+        if why is not None:
+            self._warned_empty = True
             log.warning(
-                "script.checkpoints.glob %r has matched no file under %s after %d scans; is it relative to the "
-                "command's working directory, and does the script save there?",
+                "script.checkpoints.glob %r has matched no file under %s, and %s; is it relative to the command's "
+                "working directory, and does the script save there?",
                 self.glob,
                 self.root,
-                self._scans,
+                why,
             )
 
     def _groups(self, found: Mapping[str, Signature]) -> dict[int | None, list[str]]:

@@ -28,6 +28,7 @@ from supervisor.runtime.faults import FAULTS_ENV, parse_faults
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.script.faults import ExternalFaults, FaultLauncher
 from supervisor.script.files import KnownFiles, ScriptFiles
+from supervisor.script.first_save import FirstSave
 from supervisor.script.output import OutputParser
 from supervisor.script.relaunch import Start, plan_start
 from supervisor.script.scanner import ExitWatch, FileScanner
@@ -174,7 +175,14 @@ class ScriptMode:
             detectors = DetectorSet(build_detectors(self.policy.monitor.detectors))
             watcher = ScriptWatcher(tap, detectors, HeartbeatWriter(paths.heartbeat), history=history)
         notes = {"lr_scale": start.lr_scale, "segment": index}
-        files = self._files(self._steps(tap), notes=notes, parent=start.version.id if start.version else None)
+        spec = self.config.checkpoints
+        files = self._files(
+            self._steps(tap),
+            notes=notes,
+            parent=start.version.id if start.version else None,
+            first_save=FirstSave(start.step, spec.expect_within_steps, spec.warn_after_seconds),
+            printed_step=tap.last_step,
+        )
         if self.mlflow == "join":
             env = {k: v for k, v in mlflow_env.items() if k in MLFLOW_VARIABLES}
             log.info(
@@ -247,7 +255,12 @@ class ScriptMode:
                 self.exclude.append(path)
 
     def _files(
-        self, steps: StepRule, notes: dict[str, Any] | None = None, parent: str | None = None
+        self,
+        steps: StepRule,
+        notes: dict[str, Any] | None = None,
+        parent: str | None = None,
+        first_save: FirstSave | None = None,
+        printed_step: Callable[[], int | None] = lambda: None,
     ) -> ScriptFiles:
         ck, spec = self.policy.checkpoint, self.config.checkpoints
         keep_best = (ck.keep_best.metric, ck.keep_best.mode, ck.keep_best.count) if ck.keep_best else None
@@ -264,6 +277,8 @@ class ScriptMode:
             parent_id=parent,
             exclude=self.exclude,
             sidecar=Path(spec.sidecar).as_posix() if spec.step_from == "sidecar" and spec.sidecar else None,
+            first_save=first_save,
+            printed_step=printed_step,
         )
 
     def _steps(self, tap: OutputTap | None) -> StepRule:

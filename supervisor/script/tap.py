@@ -101,6 +101,11 @@ class OutputTap:
             i = bisect.bisect_right(self._times, when)
             return self._steps[i - 1] if i else self.start_step
 
+    def last_step(self) -> int | None:
+        """The step of the last line read; None before any."""
+        with self._lock:
+            return self._steps[-1] if self._steps else None
+
     def metrics_at(self, step: int) -> dict[str, float]:
         """The last value of each metric printed at or before `step` (lines read in step order; a line whose
         step went back, after a script's own restart, counts from where it was read)."""
