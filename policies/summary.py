@@ -59,7 +59,7 @@ def _checkpoints(policy: Policy) -> list[str]:
     if c.keep_every_steps:
         by = "adaptive" if c.adaptive else "every_seconds" if c.every_seconds is not None else None
         drift = (
-            f" (with {by}, saves count from the last one, so they need not land on such a step)" if by else ""
+            f" (with {by}, saves count from the last one, so each such step is saved as well)" if by else ""
         )
         kept.append(f"every multiple of {c.keep_every_steps} steps{drift}")
     lines = [

@@ -34,6 +34,26 @@ def test_time_cadence_fires_after_every_seconds():
     assert not cadence.due(7, 115.0)
 
 
+def _saved_steps(cadence: Cadence, upto: int) -> list[int]:
+    """The steps `cadence` saves at up to `upto`: one time-triggered save at step 7, then steps alone."""
+    cadence.start(0, 0.0)
+    saved = []
+    for step in range(1, upto + 1):
+        now = 60.0 if step == 7 else 1.0 if step < 7 else 61.0
+        if cadence.due(step, now):
+            cadence.saved(step, now)
+            saved.append(step)
+    return saved
+
+
+def test_keep_every_steps_saves_its_milestones_when_the_cadence_counts_from_the_last_save():
+    # every_seconds makes every_steps count from the last save: the time-triggered save at 7 moves the
+    # step-triggered ones to 17, 27, 37, so without the milestone trigger step 30 is never saved.
+    assert _saved_steps(Cadence(every_steps=10, every_seconds=60.0), 40) == [7, 17, 27, 37]
+    milestones = Cadence(every_steps=10, every_seconds=60.0, keep_every_steps=30)
+    assert _saved_steps(milestones, 40) == [7, 17, 27, 30, 40]
+
+
 def test_young_daly_interval_and_adaptive_steps():
     assert young_daly_interval(2.0, 3600.0) == pytest.approx(math.sqrt(2 * 2 * 3600))
     # One failure in an hour of lineage: MTBF 3600 s.

@@ -67,11 +67,12 @@ class Cadence:
         failures: int = 0,
         observed_s: float = 0.0,
         *,
+        keep_every_steps: int | None = None,
         policy: SavePolicy | None = None,
     ):
         self.every_steps, self.every_seconds, self.adaptive = every_steps, every_seconds, adaptive
         self.failures, self.observed_s = failures, observed_s
-        self.policy = policy or build_save_policy(every_steps, every_seconds, adaptive)
+        self.policy = policy or build_save_policy(every_steps, every_seconds, adaptive, keep_every_steps)
         self._started: float | None = None
         self._last_step = 0
         self._last_time: float | None = None

@@ -113,6 +113,7 @@ class TrainingCore:
             ck.adaptive,
             failures=failures_in(history),
             observed_s=plan.lineage_seconds,
+            keep_every_steps=ck.keep_every_steps,
             policy=save_policy,
         )
         specs = [d for d in policy.monitor.detectors if d.type != "hang"]

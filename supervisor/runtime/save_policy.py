@@ -203,14 +203,28 @@ class NotWhenStopping(_Combines):
         return not ctx.stopping and not ctx.final
 
 
-def build_save_policy(every_steps: int | None, every_seconds: float | None, adaptive: bool) -> AllOf:
+def build_save_policy(
+    every_steps: int | None,
+    every_seconds: float | None,
+    adaptive: bool,
+    keep_every_steps: int | None = None,
+) -> AllOf:
     """The policy for a `checkpoint:` section.
 
     Alone, `every_steps` saves at its multiples. With `every_seconds` or `adaptive`, steps count from the
     last save, and whichever of steps and seconds comes first triggers. An adaptive cadence never blocks on
     a write in flight (it saves right after it instead); a fixed one keeps its schedule and waits.
+    `keep_every_steps` also saves at its multiples, whatever the other triggers did: retention keeps those
+    checkpoints as milestones, and a cadence counting from the last save would step past them.
     """
     periodic: list[SavePolicy] = []
+    if keep_every_steps is not None and not (
+        every_steps is not None
+        and every_seconds is None
+        and not adaptive
+        and keep_every_steps % every_steps == 0
+    ):
+        periodic.append(EverySteps(keep_every_steps))
     if adaptive:
         periodic.append(Adaptive(every_steps))
     elif every_seconds is not None and every_steps is not None:
