@@ -3,21 +3,33 @@ storage puts it (`<workdir>/checkpoints/<lineage>`); test_status_real_run.py rea
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from policies.schema import CheckpointConfig
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions
 from supervisor.checkpoint.options import CheckpointInfo
 from supervisor.cli import main
-from supervisor.commands.status import DEFAULT_STORAGE, in_process_reason, segment_steps
+from supervisor.commands.progress import watch
+from supervisor.commands.status import (
+    DEFAULT_STORAGE,
+    PIPED_WIDTH,
+    in_process_reason,
+    output_width,
+    segment_steps,
+)
 from supervisor.report import report_tags
+from supervisor.report.progress import Progress, progress_line
 from supervisor.state import TrainingState
 from tests.test_report_timeline import CKPT, FINAL, lineage_record
 
@@ -43,6 +55,12 @@ def _store(directory: Path) -> list[str]:
         manager.abandon_after(ids[1])  # the spike: roll back to 200
         ids += [save(300), save(400), save(500), save(600)]
     return ids
+
+
+@pytest.fixture(autouse=True)
+def _no_columns(monkeypatch):
+    """In-process status reads COLUMNS; these tests expect the piped default (the width tests set their own)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
 
 
 @pytest.fixture
@@ -372,3 +390,142 @@ def test_console_script_on_a_binary_record_prints_one_line(tmp_path):
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"error: lineage record {path} is not valid JSON")
+
+
+@pytest.mark.parametrize(
+    ("option", "columns", "terminal", "width"),
+    [
+        (None, None, None, PIPED_WIDTH),  # piped, nothing said: today's default
+        (None, None, 93, 93),  # a terminal: its width
+        (None, "80", None, 80),  # COLUMNS, piped or not
+        (None, "80", 200, 80),
+        (None, " 100 ", None, 100),
+        (None, "0", None, PIPED_WIDTH),  # COLUMNS that is no positive integer is ignored
+        (None, "-80", 93, 93),
+        (None, "wide", None, PIPED_WIDTH),
+        (None, "", 93, 93),
+        (70, "80", 200, 70),  # --width wins over both
+        (300, None, None, 300),
+    ],
+)
+def test_output_width_prefers_the_option_then_columns_then_the_terminal(option, columns, terminal, width):
+    environ = {} if columns is None else {"COLUMNS": columns}
+    assert output_width(option, environ, terminal) == width
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "abc", "8.5", ""])
+def test_a_bad_width_is_one_line_and_exit_2(workdir, capsys, bad):
+    assert main(["status", "--workdir", str(workdir), f"--width={bad}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: --width: expected a whole number of columns > 0, got {bad!r}\n"
+
+
+def _piped_status(workdir: Path, args: list[str], columns: str | None) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE")
+    }
+    if columns is not None:
+        env["COLUMNS"] = columns
+    return subprocess.run(
+        [str(EXE), "status", "--workdir", str(workdir), *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("args", "columns", "width"),
+    [
+        ([], "80", 80),
+        ([], "160", 160),
+        (["--width", "80"], None, 80),
+        (["--width", "80"], "160", 80),  # the option wins over COLUMNS
+        (["--width", "132"], "80", 132),
+        ([], None, PIPED_WIDTH),  # piped, nothing said
+    ],
+)
+def test_piped_status_fits_the_width_asked_for(workdir, args, columns, width):
+    out = _piped_status(workdir, args, columns)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    too_wide = [line for line in lines if len(line) > width]
+    assert not too_wide, f"lines wider than {width}: {too_wide}"
+    header = next(line for line in lines if line.startswith("┃ id "))  # the checkpoint table's header
+    summary = (
+        "charlm-demo: finished, 4 segment(s), 2 rollback(s) (1 in process), 4 restart(s), final checkpoint"
+    )
+    assert summary in " ".join(lines[:2])  # whole, never cut by the edge
+    if width < 120:  # the narrow layout: short timeline with numbered reasons, fewer checkpoint columns
+        assert "saved" not in header and "parent" not in header
+        assert any(line.lstrip().startswith("1. ") for line in lines)
+    else:  # the wide layout: one event table and every checkpoint column
+        assert "saved" in header and "parent" in header
+        assert not any(line.lstrip().startswith("1. ") for line in lines)
+    assert lines[0].endswith("───") == (width == PIPED_WIDTH)  # a rule only where the summary fits on it
+    assert max(len(line) for line in lines) > width - 25  # the layout used the room it had
+
+
+@pytest.mark.e2e
+def test_piped_status_with_a_bad_width_prints_no_traceback(workdir):
+    out = _piped_status(workdir, ["--width", "-3"], "80")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "error: --width: expected a whole number of columns > 0, got '-3'\n"
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_piped_watch_lines_take_short_words_in_a_narrow_console(width):
+    done = Progress("charlm-demo", "finished", 1, 900, 900, "train", 2.31412, 3.2, 12.0, 900, 2, 2)
+    out = io.StringIO()
+    watch(
+        [lambda: done], Console(file=out, width=width), 1.0, sleep=lambda s: pytest.fail("no wait when done")
+    )
+    assert out.getvalue().splitlines() == [progress_line(done, width, name=True)]
+    assert ("steps/s" in out.getvalue()) == (width == 200)  # never cut: a log line keeps every fact
+
+
+def _on_a_terminal(workdir: Path, columns: int, env_columns: str | None, *args: str) -> list[str]:
+    """status's lines on a pseudo-terminal `columns` wide, with or without COLUMNS."""
+    import fcntl
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "TTY_COMPATIBLE")}
+    if env_columns is not None:
+        env["COLUMNS"] = env_columns
+    proc = subprocess.Popen(
+        [str(EXE), "status", "--workdir", str(workdir), *args], stdout=follower, stderr=follower, env=env
+    )
+    os.close(follower)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        raw += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, raw.decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode()).splitlines()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("columns", "env_columns", "width"), [(100, None, 100), (100, "150", 150)])
+def test_on_a_terminal_status_takes_its_width_unless_columns_says(workdir, columns, env_columns, width):
+    lines = _on_a_terminal(workdir, columns, env_columns)
+    assert max(len(line) for line in lines) == width
+
+
+@pytest.mark.e2e
+def test_watch_on_a_terminal_is_never_wider_than_it(workdir):
+    lines = _on_a_terminal(workdir, 70, None, "--watch", "--width", "300", "--lineage", "charlm-demo")
+    assert [line for line in lines if line.strip()] and all(len(line) <= 70 for line in lines)
+    assert any(line.startswith("charlm-demo: seg 3") for line in lines)

@@ -96,7 +96,8 @@ def watch(
     """`status --watch`: each lineage's line every `interval` seconds until every one is done; the last read.
 
     On a terminal the lines are redrawn in place (rich's live display); otherwise a block of lines is printed
-    each time. Ctrl-C ends the watch, not the lineages.
+    each time. Either way a line wider than the console takes its short words. Ctrl-C ends the watch, not the
+    lineages.
     """
     live = None
     if console.is_terminal:
@@ -107,7 +108,7 @@ def watch(
     try:
         while True:
             now = [read() for read in readers]
-            lines = [progress_line(p, console.width if live else None, name=True) for p in now]
+            lines = [progress_line(p, console.width, name=True) for p in now]
             if live is not None:
                 live.update(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"), refresh=True)
             else:

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,8 @@ from supervisor.smallfile import FileTooLarge, NotRegularFile, read_small_file
 STATUS_STYLES = {"finished": "green", "stopped": "green", "running": "cyan", "failed": "bold red"}
 #: The policy's checkpoint.storage when the record does not say (the schema's default).
 DEFAULT_STORAGE = "./checkpoints"
+#: The width of piped or captured output when neither --width nor COLUMNS gives one: tables stay readable.
+PIPED_WIDTH = 160
 #: How much of a metric spool's end is read to find the last step it logged.
 SPOOL_TAIL_BYTES = 64 << 10
 _RELAUNCH_IN = re.compile(r"relaunch in \d+(?:\.\d+)? s")
@@ -55,28 +57,77 @@ def command(
         False, "--watch", help="Follow each lineage's progress line until every one is done (Ctrl-C stops)."
     ),
     interval: float = typer.Option(2.0, "--interval", min=0.1, help="Seconds between --watch refreshes."),
+    width: str | None = typer.Option(
+        None,
+        "--width",
+        metavar="N",
+        help=f"Lay the output out in N columns. Default: $COLUMNS, else the terminal's width, "
+        f"else {PIPED_WIDTH} when piped. Below 120 the tables take their narrow form.",
+    ),
 ) -> None:
     """Show each lineage's segments, events, decisions and checkpoints."""
     if ctx.args:
         raise StatusError(f"status: unexpected argument(s) {' '.join(ctx.args)}; see `status --help`")
     if watch and json_out:
         raise StatusError("status: --watch and --json do not go together; pick one")
+    columns = parse_width(width)
     found_records = load_lineages(workdir, lineage)
     if watch:
-        watch_lineages(workdir, found_records, interval)
+        watch_lineages(workdir, found_records, interval, _console(columns, live=True))
         return
     found = [_status(d, r, workdir) for d, r in found_records]
     if json_out:
         doc = {"lineages": [view for _, view in found]}
         typer.echo(json.dumps(jsonable(doc), indent=2, allow_nan=False))
         return
-    console = Console()
-    if not console.is_terminal:  # piped or captured: wide enough that tables stay readable
-        console = Console(width=160)
+    console = _console(columns)
     if not found:
         console.print(f"no lineages under {workdir / 'lineages'}")
     for shown, view in found:
         print_lineage(console, shown, view)
+
+
+def parse_width(text: str | None) -> int | None:
+    """The --width option's columns, or None when it is not given; StatusError for anything but N > 0."""
+    if text is None:
+        return None
+    try:
+        columns = int(text.strip())
+    except ValueError:
+        columns = 0
+    if columns < 1:
+        raise StatusError(f"--width: expected a whole number of columns > 0, got {text!r}")
+    return columns
+
+
+def output_width(option: int | None, environ: Mapping[str, str], terminal: int | None) -> int:
+    """The columns status lays its output out in: --width, else COLUMNS > 0, else the terminal's, else 160.
+
+    `terminal` is the terminal's width when stdout is one, else None (piped or captured).
+    """
+    if option is not None:
+        return option
+    columns = environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return terminal if terminal is not None else PIPED_WIDTH
+
+
+def _console(option: int | None, live: bool = False) -> Console:
+    """A console for stdout at `output_width`; `live`, never wider than the terminal (redraws need that)."""
+    terminal = _terminal_width(Console())
+    width = output_width(option, os.environ, terminal)
+    return Console(width=min(width, terminal) if live and terminal is not None else width)
+
+
+def _terminal_width(console: Console) -> int | None:
+    """The width of the terminal on stdout; None when stdout is none. Rich's own width would read COLUMNS."""
+    if not console.is_terminal:
+        return None
+    try:
+        return os.get_terminal_size(console.file.fileno()).columns or console.width
+    except (AttributeError, OSError, ValueError):  # forced terminal (FORCE_COLOR, TTY_COMPATIBLE) on a pipe
+        return console.width
 
 
 def watch_lineages(
@@ -393,20 +444,12 @@ def _spool_tail(spool_dir: Path, index: Any) -> tuple[float, int] | None:
 def print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any]) -> None:
     """One lineage's summary, segments, events and checkpoints, sized to the console's width."""
     narrow = console.width < WIDE_TABLE_COLUMNS
-    style = STATUS_STYLES.get(entry["status"] or "", "")
-    if narrow:  # a rule would cut the summary at the terminal's edge
-        console.print(Text(summary_line(record), style=style))
+    summary = Text(summary_line(record), style=STATUS_STYLES.get(entry["status"] or "", ""))
+    if narrow or summary.cell_len + 4 > console.width:  # a rule would cut the summary at the edge
+        console.print(summary)
     else:
-        console.rule(Text(summary_line(record), style=style), align="left")
-    segments = Table(title="segments", title_justify="left")
-    for name in SEGMENT_COLUMNS:
-        segments.add_column(name, overflow="fold", no_wrap=narrow and name == "restored from")
-    for seg in entry["segments"]:
-        cells = segment_cells(seg)
-        if narrow:  # the time of day is enough beside the date in the summary's records
-            cells[2] = cells[2].rpartition(" ")[2]
-        segments.add_row(*(Text(c) for c in cells))
-    console.print(segments)
+        console.rule(summary, align="left")
+    console.print(_segment_table(entry, narrow))
     if entry["timeline"] and narrow:
         console.print(short_timeline(entry["timeline"], "events and decisions"))
     elif entry["timeline"]:
@@ -416,6 +459,22 @@ def print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any
     else:
         console.print("no events")
     console.print(_checkpoint_table(entry, narrow))
+
+
+def _segment_table(entry: dict[str, Any], narrow: bool) -> Table:
+    """One row per segment; narrow: no pid, the time of day, restore options on a line of their own."""
+    shown = [i for i, name in enumerate(SEGMENT_COLUMNS) if not (narrow and name == "pid")]
+    table = Table(title="segments", title_justify="left")
+    for i in shown:
+        name = SEGMENT_COLUMNS[i]
+        table.add_column(name, overflow="fold", no_wrap=narrow and name != "exit")
+    for seg in entry["segments"]:
+        cells = segment_cells(seg)
+        if narrow:
+            cells[2] = cells[2].rpartition(" ")[2]  # the summary's record has the date
+            cells[4] = cells[4].replace(" ", "\n", 1)  # "<id>\nskip 300 lr x0.5"
+        table.add_row(*(Text(cells[i]) for i in shown))
+    return table
 
 
 #: The checkpoint table's columns; a narrow terminal leaves out those marked False.
@@ -445,10 +504,11 @@ def _checkpoint_table(entry: dict[str, Any], narrow: bool = False) -> Table | st
     shown = [(i, name) for i, (name, wide_only) in enumerate(CHECKPOINT_COLUMNS) if wide_only or not narrow]
     table = Table(title="checkpoints", title_justify="left")
     for _, name in shown:
-        # Ids, steps and sizes never break (a folded id is hard to read); metrics and roles fold.
-        table.add_column(name, overflow="fold", no_wrap=narrow and name in ("id", "step", "size", "state"))
+        # Narrow, ids, steps, sizes and metrics (one a line) never break, a folded id or number is hard to read;
+        # the roles wrap.
+        table.add_column(name, overflow="fold", no_wrap=narrow and name != "role")
     for info in entry["checkpoints"]:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(info["metrics"].items()))
+        metrics = (",\n" if narrow else ", ").join(f"{k}={v:.4g}" for k, v in sorted(info["metrics"].items()))
         cells = (
             info["id"],
             str(info["step"]),
