@@ -19,7 +19,7 @@ export GIT_PYTHON_REFRESH := quiet
 # environment) turns it off; PREFECT_SERVER_ANALYTICS_ENABLED is the server's. MLflow honours it too.
 export DO_NOT_TRACK := true
 
-.PHONY: demo test lint venv clean bench
+.PHONY: demo test test-fast lint venv clean bench
 
 venv: $(STAMP)
 
@@ -49,9 +49,17 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The suite runs on WORKERS processes (pytest-xdist), a test file to a worker (tests/conftest.py groups them).
+WORKERS ?= 2
+
 test: lint
 	@mkdir -p $(PREFECT_HOME)  # Prefect creates its home without parents, then warns on every start
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup --durations=25
+
+# The inner loop: everything but the tests marked slow or e2e (real servers, flows, multi-process runs).
+test-fast: lint
+	@mkdir -p $(PREFECT_HOME)
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not e2e"
 
 bench: venv
 	$(BIN)/rollback-supervisor bench checkpoint --params 100M --json benchmarks/results/checkpoint-100M.json

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 from mlflow.tracking import MlflowClient
 
 from supervisor.lineage.record import LineageRecord
+from supervisor.mlflow_seed import seed_sqlite_store
 
 log = logging.getLogger("rollback_supervisor.tracking")
 
@@ -81,7 +82,8 @@ def creating_store(tracking_uri: str) -> Iterator[None]:
     """Serialise opening (and, on a fresh workdir, creating) a local sqlite store across processes.
 
     Two supervisors opening one new `mlflow.db` at once race on MLflow's table creation (`table ... already
-    exists` in the loser); an exclusive lock next to the file makes the second wait for the first.
+    exists` in the loser); an exclusive lock next to the file makes the second wait for the first. A new
+    store starts as a copy of a cached empty one where it can (`mlflow_seed`).
     """
     path = local_store_path(tracking_uri) if tracking_uri.startswith("sqlite:") else None
     if path is None:
@@ -91,6 +93,7 @@ def creating_store(tracking_uri: str) -> Iterator[None]:
     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        seed_sqlite_store(path)
         yield
     finally:
         os.close(fd)  # closing releases the lock

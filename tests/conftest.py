@@ -22,12 +22,17 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# New MLflow sqlite stores are copies of one empty store made once per session (supervisor/mlflow_seed.py).
+os.environ.setdefault("ROLLBACK_SUPERVISOR_CACHE", str(_SESSION_TMP / "cache"))
 os.environ.pop("ROLLBACK_SUPERVISOR_FAULTS", None)
 
 
 @pytest.fixture
 def mlflow_sqlite_uri(tmp_path: Path) -> str:
     """A fresh MLflow tracking store on sqlite in tmp_path."""
+    from supervisor.mlflow_seed import seed_sqlite_store
+
+    seed_sqlite_store(tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
@@ -44,9 +49,60 @@ def mlflow_server():
 
 
 @pytest.fixture(scope="session")
-def prefect_harness():
-    """Prefect's test harness, started once per session (it costs ~12 s)."""
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_api():
+    """One real `prefect server` for the session (one per xdist worker), started on first use (~11 s).
 
-    with prefect_test_harness(server_startup_timeout=120):
+    Its URL goes into `os.environ`, so every `rollback-supervisor run` a test starts talks to it instead of
+    starting an ephemeral server of its own (6-10 s of CPU each on 2 cores). Tests of the ephemeral mode
+    pop `PREFECT_API_URL` from their child's environment (tests/test_spot.py does).
+    """
+    from tests.prefect_servers import PrefectServer
+
+    server = PrefectServer(_SESSION_TMP / "prefect-api").start()
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        yield server
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+        server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_prefect_server_for_end_to_end_tests(request):
+    """A session with end-to-end tests shares one Prefect server from its start (module fixtures that run
+    the CLI come before any function-scoped fixture); a session of unit tests never starts one."""
+    if any(
+        item.get_closest_marker("e2e") or item.get_closest_marker("slow") for item in request.session.items
+    ):
+        request.getfixturevalue("prefect_api")
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(prefect_api):
+    """Flows run in the test process against the session's Prefect server (what the harness would start)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api.api_url}):
         yield
+
+
+#: Test files that share a machine-wide resource run in one xdist worker, one after another: the SLURM
+#: tests start munged and a cluster of their own; the deployment tests run flows with the checkout as their
+#: working directory.
+_SERIAL_GROUPS = {
+    "test_slurm_e2e.py": "slurm",
+    "test_slurm_launcher.py": "slurm",
+    "test_deployment_e2e.py": "checkout-cwd",
+    "test_kubernetes_deploy.py": "checkout-cwd",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n N --dist loadgroup`, each file is one unit (its module fixtures are built once)."""
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(_SERIAL_GROUPS.get(name, name)))

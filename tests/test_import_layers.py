@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("supervisor.state", "supervisor.sharded_state"),
     ("supervisor.checkpoint",),
     ("policies",),
-    ("supervisor.monitor", "supervisor.tracking", "supervisor.lineage", "supervisor.launcher"),
+    ("supervisor.monitor", "supervisor.tracking", "supervisor.mlflow_seed", "supervisor.lineage", "supervisor.launcher"),
     ("supervisor.runtime",),
     # Framework callbacks (Lightning, Transformers) drive the runtime's TrainingCore.
     ("supervisor.integrations",),

@@ -11,8 +11,10 @@ from supervisor.errors import LeaseHeldError
 from supervisor.events import Event
 from supervisor.launcher import ExitInfo, LaunchSpec
 from supervisor.lineage import LineageRecord, MlflowRef, SegmentRecord
+from supervisor.monitor import HeartbeatWriter
 from supervisor.orchestrator.events_log import EventsLog
-from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings
+from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, start_step
+from supervisor.runtime.plan import RestoreSpec
 
 
 class Handle:
@@ -252,3 +254,18 @@ def test_a_watcher_that_cannot_be_built_still_stops_the_segment(tmp_path: Path):
         rig()
     assert rig.handle.signals == [(signal.SIGTERM, 7.0)] and rig.handle.code == -signal.SIGTERM
     assert Shipper.drained == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (RestoreSpec(checkpoint_id="0000000040-000006"), 40),  # not the killed segment's last beat (42)
+        (RestoreSpec(from_scratch=True), 0),
+        (RestoreSpec(), 42),  # the newest valid checkpoint: only the training knows; the beat bounds it
+        (RestoreSpec(checkpoint_id="v-ckpt.pt-3"), 42),  # a script-mode version id names no step
+    ],
+)
+def test_a_segment_starts_at_its_checkpoints_step_not_the_last_heartbeat(tmp_path, spec, expected):
+    beat = tmp_path / "heartbeat.json"
+    HeartbeatWriter(beat).beat(42)
+    assert start_step(spec, beat) == expected

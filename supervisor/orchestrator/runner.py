@@ -44,7 +44,7 @@ from supervisor.orchestrator.book import LineageBook
 from supervisor.orchestrator.decision_step import DecisionStep, MlflowRun
 from supervisor.orchestrator.events_log import EventsLog
 from supervisor.orchestrator.options import Outcome, RunOptions, SegmentResult, StepRunner, run_inline
-from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, heartbeat_step
+from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, start_step
 from supervisor.orchestrator.stale import reclaim_details
 from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
 from supervisor.script.mode import ScriptMode, SegmentPaths
@@ -340,7 +340,7 @@ class LineageRunner:
             started=self.clock(),
             host=socket.gethostname(),
             restore=plan.restore.__dict__,
-            start_step=heartbeat_step(plan.heartbeat_path),
+            start_step=start_step(plan.restore, plan.heartbeat_path),
         )
         if script is not None:
             version = script.start.version

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from supervisor.checkpoint.options import parse_id
 from supervisor.errors import LeaseHeldError
 from supervisor.events import METRIC_EVENTS, Event
 from supervisor.launcher import Launcher, LaunchSpec, OnLine, SegmentHandle
@@ -208,6 +209,20 @@ def heartbeat_step(path: Path) -> int | None:
     """The step of the training's last heartbeat, or None if it has not beaten."""
     beat = HeartbeatReader(path).read()
     return beat.step if beat else None
+
+
+def start_step(spec: RestoreSpec, heartbeat_path: Path) -> int | None:
+    """The step a segment starts at: its checkpoint's, 0 from scratch, else the last heartbeat's.
+
+    The heartbeat file is the previous segment's until the new one beats, and it may be a few steps past
+    the checkpoint the new segment restores; only "the newest valid checkpoint" (no id) is unknown here.
+    """
+    if spec.from_scratch:
+        return 0
+    if spec.checkpoint_id:
+        with contextlib.suppress(ValueError):  # a script-mode version id carries no step
+            return parse_id(spec.checkpoint_id)[0]
+    return heartbeat_step(heartbeat_path)
 
 
 def describe_restore(spec: RestoreSpec) -> str:

@@ -57,7 +57,13 @@ class TrackingConnection:
     def __call__(self) -> tuple[Any, str]:
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=self.plan.tracking_uri)
+        if self.plan.run_id:  # the supervisor created the store
+            client = MlflowClient(tracking_uri=self.plan.tracking_uri)
+        else:
+            from supervisor.tracking import creating_store
+
+            with creating_store(self.plan.tracking_uri):  # a stand-alone run's store, new on the first run
+                client = MlflowClient(tracking_uri=self.plan.tracking_uri)
         if self.plan.run_id:
             return MlflowSink(client, self.plan.run_id), self.plan.run_id
         if self.own_run_id is None:
