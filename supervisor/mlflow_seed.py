@@ -19,8 +19,8 @@ from pathlib import Path
 
 log = logging.getLogger("rollback_supervisor.tracking")
 
-#: Where the empty store is kept; `ROLLBACK_SUPERVISOR_CACHE` overrides, empty turns seeding off.
-CACHE_ENV = "ROLLBACK_SUPERVISOR_CACHE"
+#: Where the empty store is kept; `ROLLBACK_CACHE_DIR` overrides, empty turns seeding off.
+CACHE_ENV = "ROLLBACK_CACHE_DIR"
 
 
 def cache_dir(environ: os._Environ | dict[str, str] = os.environ) -> Path | None:

@@ -22,8 +22,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# Under pytest-xdist each worker trains beside another on 2 cores: one intra-op thread a process, since
+# OpenMP threads that outnumber the cores spin-wait (two threads on two shared cores ran 4x slower) and the
+# suite then burned about 1.7x the CPU of a run on one worker. Set before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 # New MLflow sqlite stores are copies of one empty store made once per session (supervisor/mlflow_seed.py).
-os.environ.setdefault("ROLLBACK_SUPERVISOR_CACHE", str(_SESSION_TMP / "cache"))
+os.environ.setdefault("ROLLBACK_CACHE_DIR", str(_SESSION_TMP / "cache"))
 os.environ.pop("ROLLBACK_SUPERVISOR_FAULTS", None)
 
 

@@ -28,11 +28,14 @@ THIRD_PARTY_INFO = re.compile(
 )
 
 
-def _run(tmp_path: Path, name: str, *extra: str, faults: str = "", steps: int = 60) -> str:
+def _run(
+    tmp_path: Path, name: str, *extra: str, faults: str = "", steps: int = 60, env_extra: dict | None = None
+) -> str:
     (tmp_path / "policy.yaml").write_text(POLICY)
     (tmp_path / "train.py").write_text(SLOW_TRAIN)
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_LOGGING_LEVEL", "MLFLOW_LOGGING_LEVEL")}
     env["ROLLBACK_SUPERVISOR_FAULTS"] = faults
+    env.update(env_extra or {})
     argv = [str(CLI), "run", *extra, "--policy", str(tmp_path / "policy.yaml"), "--lineage", name]
     argv += ["--workdir", str(tmp_path / name), "--stop-grace", "10", "--"]
     proc = subprocess.run(
@@ -62,7 +65,9 @@ def test_a_supervised_run_logs_in_words_and_hides_third_party_info_unless_verbos
     assert any(PROGRESS.search(line) for line in progress), quiet[-3000:]
     assert "\x1b[" not in quiet
 
-    verbose = _run(tmp_path, "verbose", "--verbose", "--progress-every", "0", steps=20)
+    # MLflow creates this store's tables itself (no seeded copy), so it has an INFO line to show.
+    no_seed = {"ROLLBACK_CACHE_DIR": ""}
+    verbose = _run(tmp_path, "verbose", "--verbose", "--progress-every", "0", steps=20, env_extra=no_seed)
     assert "INFO mlflow.store.db.utils: Creating initial MLflow database tables" in verbose
     assert re.search(r"httpx: HTTP Request: POST http://127\.0\.0\.1:\d+/api/flow_runs/", verbose)
     assert "segment 0 starts from the newest valid checkpoint" in verbose

@@ -48,7 +48,8 @@ os.environ.setdefault("SET_BY_SCRIPT", "1")
 p = plan.load_plan("t", workdir=here)
 print(json.dumps({{
     "argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "pid": os.getpid(), "attached": time.time(),
-    "env": {{k: v for k, v in os.environ.items() if k.startswith(("ROLLBACK_", "STANDBY_TEST", "SET_BY"))}},
+    "env": {{k: v for k, v in os.environ.items()
+            if k.startswith(("ROLLBACK_", "STANDBY_TEST", "SET_BY")) and k != "ROLLBACK_CACHE_DIR"}},  # the harness's
     "plan_workdir": p.workdir, "supervised": p.supervised,
 }}))
 sys.exit(3)
