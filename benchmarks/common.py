@@ -175,12 +175,55 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(result: dict[str, Any], path: Path | None) -> str:
+    """`result` as indented JSON; written to `path` (atomically) when one is given."""
     text = json.dumps(result, indent=2)
     if path is not None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
+        replace_text(Path(path), text + "\n")
     return text
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and os.replace: a reader, or a run killed mid-write,
+    finds the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class PhasedResult:
+    """A benchmark's JSON file, rewritten after each phase so that a run killed part-way keeps its figures.
+
+    Until `finish`, the file says `complete: false`, with `phases_done` and `phases_planned`; `failed` adds the
+    error that ended the run. Not thread-safe: the benchmark's own thread reports its phases.
+    """
+
+    def __init__(self, path: Path | None, planned: list[str]):
+        self.path = path
+        self.planned = list(planned)
+        self.done: list[str] = []
+        self.last: dict[str, Any] = {}
+
+    def phase_done(self, phase: str, result: dict[str, Any]) -> None:
+        """`phase` has completed; `result` holds every figure measured so far."""
+        self.done.append(phase)
+        self.last = result
+        self._write(result, complete=False)
+
+    def failed(self, error: str) -> None:
+        """The run ended with `error`: keep the figures of the phases done, and say why the rest are missing."""
+        self._write({**self.last, "error": error}, complete=False)
+
+    def finish(self, result: dict[str, Any]) -> str:
+        """Write the final result (`complete: true`); its JSON text."""
+        return self._write(result, complete=True)
+
+    def _write(self, result: dict[str, Any], *, complete: bool) -> str:
+        status = {"complete": complete, "phases_done": list(self.done), "phases_planned": self.planned}
+        return write_json({**result, **status}, self.path)
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ files the benchmark has just written, so each runs against a warm page cache.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -67,10 +68,12 @@ def _create_run(workdir: Path) -> str:
     from mlflow.tracking import MlflowClient
 
     from benchmarks.rollback_child import POLICY_NAME
-    from supervisor.tracking import start_run
+    from supervisor.tracking import creating_store, start_run
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
-    return start_run(client, "rollback-supervisor", "bench-rollback", POLICY_NAME, workdir)
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    with creating_store(uri):  # a copy of the cached empty store, not every migration again (untimed)
+        client = MlflowClient(tracking_uri=uri)
+        return start_run(client, "rollback-supervisor", "bench-rollback", POLICY_NAME, workdir)
 
 
 def relaunch(workdir: Path, inproc: dict[str, Any], example: Example, i: int) -> dict[str, float]:
@@ -246,6 +249,15 @@ def naive(workdir: Path, inproc: dict[str, Any], example: Example, i: int) -> di
     }
 
 
+#: The paths measured once per repetition, in the order `run` measures them.
+PATHS = ("relaunch", "relaunch_standby", "relaunch_parked", "relaunch_preloaded", "naive_restart")
+
+
+def phases(reps: int) -> list[str]:
+    """The phases of `run`, in order: the in-process run, then each path of each repetition (`relaunch-1`)."""
+    return ["in_process", *(f"{path}-{i + 1}" for i in range(reps) for path in PATHS)]
+
+
 def run(
     workdir: Path,
     size: str,
@@ -254,45 +266,65 @@ def run(
     threads: int | None = None,
     device: str = "cpu",
     say: Callable[[str], None] = lambda _: None,
+    on_phase: Callable[[str, dict[str, Any]], None] = lambda phase, result: None,
 ) -> dict[str, Any]:
-    """Measure all three paths `reps` times (relaunch and naive interleaved) and summarise with medians."""
+    """Measure all three paths `reps` times (relaunch and naive interleaved) and summarise with medians.
+
+    After each phase (see `phases`), `on_phase` gets its name and the summary of every sample so far."""
     load_start = os.getloadavg()[0]
+    info = {
+        "size": size,
+        "reps": reps,
+        "batch_size": batch_size,
+        "threads": threads,
+        "load_start": load_start,
+        "device": device,
+    }
     say(f"in-process: {reps} anomalies at size {size}")
     example = Example(size, batch_size, threads, device)
     inproc = in_process(workdir, example, reps)
-    relaunches, naives, standbys, parkeds, preloadeds = [], [], [], [], []
+    samples: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+
+    def summary() -> dict[str, Any]:
+        return summarize(
+            inproc,
+            samples["relaunch"],
+            samples["naive_restart"],
+            standbys=samples["relaunch_standby"],
+            parked=samples["relaunch_parked"],
+            preloaded=samples["relaunch_preloaded"],
+            **info,
+        )
+
+    on_phase("in_process", summary())
     with (
         standby_launcher(example) as launcher,
         standby_launcher(example, park="plan") as at_plan,
         standby_launcher(example, park="plan", preload=workdir / "checkpoints") as preloading,
     ):
+        measure = {
+            "relaunch": ("relaunch", lambda i: relaunch(workdir, inproc, example, i)),
+            "relaunch_standby": (
+                "relaunch through the standby",
+                lambda i: relaunch_standby(workdir, inproc, example, i, launcher),
+            ),
+            "relaunch_parked": (
+                "relaunch through the standby parked at its plan",
+                lambda i: relaunch_standby(workdir, inproc, example, i, at_plan),
+            ),
+            "relaunch_preloaded": (
+                "relaunch through the standby parked at its plan with the checkpoint preloaded",
+                lambda i: relaunch_standby(workdir, inproc, example, i, preloading),
+            ),
+            "naive_restart": ("naive restart", lambda i: naive(workdir, inproc, example, i)),
+        }
         for i in range(reps):
-            say(f"relaunch {i + 1}/{reps}")
-            relaunches.append(relaunch(workdir, inproc, example, i))
-            say(f"relaunch through the standby {i + 1}/{reps}")
-            standbys.append(relaunch_standby(workdir, inproc, example, i, launcher))
-            say(f"relaunch through the standby parked at its plan {i + 1}/{reps}")
-            parkeds.append(relaunch_standby(workdir, inproc, example, i, at_plan))
-            say(
-                f"relaunch through the standby parked at its plan with the checkpoint preloaded {i + 1}/{reps}"
-            )
-            preloadeds.append(relaunch_standby(workdir, inproc, example, i, preloading))
-            say(f"naive restart {i + 1}/{reps}")
-            naives.append(naive(workdir, inproc, example, i))
-    return summarize(
-        inproc,
-        relaunches,
-        naives,
-        standbys=standbys,
-        parked=parkeds,
-        preloaded=preloadeds,
-        size=size,
-        reps=reps,
-        batch_size=batch_size,
-        threads=threads,
-        load_start=load_start,
-        device=device,
-    )
+            for path in PATHS:
+                words, take = measure[path]
+                say(f"{words} {i + 1}/{reps}")
+                samples[path].append(take(i))
+                on_phase(f"{path}-{i + 1}", summary())
+    return summary()
 
 
 def summarize(
@@ -417,6 +449,7 @@ def summarize(
     }
 
 
+@functools.cache
 def _device_name(device: str) -> str:
     if device == "cuda":
         import torch

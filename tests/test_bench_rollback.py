@@ -149,8 +149,11 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         "relaunch_preloaded_s/naive_restart_s (step excluded)",
         "supervisor_cpu_s/training_cpu_s",
     }
+    assert result["complete"] is True and result["phases_done"] == result["phases_planned"]
+    assert result["phases_planned"][0] == "in_process" and result["phases_planned"][-1] == "supervisor_cpu"
     cost = result["supervisor_cpu"]
     assert cost["steps"] == 12 and result["supervisor_cpu_s"] == cost["supervisor_cpu_s"] > 0
+    assert cost["timed_out"] is False and (cost["device"], cost["batch_size"]) == ("cpu", 1)
     assert 0 < cost["supervisor_cpu_s"] < cost["training_cpu_s"]
     assert result["relaunch_parked_s"] > 0 and result["relaunch_parked"]["parked_build_s"] > 0
     assert result["relaunch_preloaded_s"] > 0  # the run checks that its restores came from the preload
