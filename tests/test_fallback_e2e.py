@@ -15,36 +15,11 @@ import pytest
 
 from supervisor.cli import main
 from supervisor.orchestrator import LineageRunner, RunOptions, python_command
+from tests.test_status_real_run import TRAIN  # a real, small supervised training (steps take milliseconds)
 
 pytestmark = [pytest.mark.e2e]
 
 STEPS = 20
-#: A real, small supervised training: a linear model on a resumable loader (steps take milliseconds).
-TRAIN = """\
-import sys
-
-import torch
-
-from supervisor.data import ResumableLoader
-from supervisor.runtime import Session
-
-torch.manual_seed(0)
-torch.set_num_threads(1)
-xs = torch.randn(64, 4)
-loader = ResumableLoader(torch.utils.data.TensorDataset(xs, xs.sum(1, keepdim=True)), batch_size=8, seed=0)
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-sess = Session.attach(run_name="fallback")
-sess.register(model=model, optimizer=opt, data=loader)
-with sess:
-    for step, (x, y) in sess.loop(loader, max_steps=int(sys.argv[1])):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sess.log(loss=loss.item())
-sys.exit(sess.exit_code)
-"""
 POLICY = """\
 version: 1
 name: fallback-e2e
