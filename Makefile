@@ -49,17 +49,19 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The suite runs on WORKERS processes (pytest-xdist), a test file to a worker (tests/conftest.py groups them).
+# The suite runs on WORKERS processes (pytest-xdist), a test file to a worker, so module fixtures are built once.
+# (Not --dist loadgroup: with pytest 9.2 xdist 3.8 can no longer tag node ids with their group, and every test
+# is then scheduled on its own.)
 WORKERS ?= 2
 
 test: lint
 	@mkdir -p $(PREFECT_HOME)  # Prefect creates its home without parents, then warns on every start
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup --durations=25
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile --durations=25
 
 # The inner loop: everything but the tests marked slow or e2e (real servers, flows, multi-process runs).
 test-fast: lint
 	@mkdir -p $(PREFECT_HOME)
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup -m "not slow and not e2e"
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile -m "not slow and not e2e"
 
 bench: venv
 	$(BIN)/rollback-supervisor bench checkpoint --params 100M --json benchmarks/results/checkpoint-100M.json

@@ -94,21 +94,3 @@ def prefect_harness(prefect_api):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_api.api_url}):
         yield
-
-
-#: Test files that share a machine-wide resource run in one xdist worker, one after another: the SLURM
-#: tests start munged and a cluster of their own; the deployment tests run flows with the checkout as their
-#: working directory.
-_SERIAL_GROUPS = {
-    "test_slurm_e2e.py": "slurm",
-    "test_slurm_launcher.py": "slurm",
-    "test_deployment_e2e.py": "checkout-cwd",
-    "test_kubernetes_deploy.py": "checkout-cwd",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadgroup`, each file is one unit (its module fixtures are built once)."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(_SERIAL_GROUPS.get(name, name)))
