@@ -267,11 +267,16 @@ YAML_BLOCKS = _blocks({"yaml", "yml"})
 @pytest.mark.parametrize("block", YAML_BLOCKS, ids=_ids(YAML_BLOCKS))
 def test_yaml_block_parses_and_policies_load(block: Block):
     data = yaml.safe_load(block.text)
+    assert data is not None, f"{block.where}: the block holds no YAML"
     if isinstance(data, dict) and "version" in data:
-        parse_policy(block.text, block.where)  # raises PolicyError naming the key, line and column
+        policy = parse_policy(block.text, block.where)  # raises PolicyError naming the key, line and column
+        assert policy.name == data.get("name", policy.name)
     elif isinstance(data, dict) and data and set(data) <= set(Policy.model_fields):
         merged = {**BASE_POLICY, **data}
-        parse_policy(yaml.safe_dump(merged, sort_keys=False), f"{block.where} (merged into a minimal policy)")
+        policy = parse_policy(
+            yaml.safe_dump(merged, sort_keys=False), f"{block.where} (merged into a minimal policy)"
+        )
+        assert all(getattr(policy, key) is not None for key in data), block.where
 
 
 JSON_BLOCKS = _blocks({"json"})
@@ -279,7 +284,7 @@ JSON_BLOCKS = _blocks({"json"})
 
 @pytest.mark.parametrize("block", JSON_BLOCKS, ids=_ids(JSON_BLOCKS))
 def test_json_block_parses(block: Block):
-    json.loads(block.text)
+    assert isinstance(json.loads(block.text), (dict, list)), f"{block.where}: not a JSON object or array"
 
 
 def test_the_checks_find_what_they_check():
