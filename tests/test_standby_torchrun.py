@@ -208,14 +208,20 @@ def assert_equal_tree(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
+@pytest.fixture(scope="module")
+def cold_lineage(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, LineageRunner]:
+    """The cold reference lineage, the same for every parametrization: supervised once per module."""
+    return supervise(tmp_path_factory.mktemp("standby-torchrun") / "cold", park=None)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("park", ["imports", "plan", "preload"])
 def test_a_resume_through_a_parked_torchrun_agent_is_bit_identical_to_a_cold_one(
-    tmp_path: Path, caplog, park: str
+    tmp_path: Path, caplog, park: str, cold_lineage: tuple[dict, LineageRunner]
 ):
+    cold_record, cold_runner = cold_lineage
     caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
-    cold_record, cold_runner = supervise(tmp_path / "cold", park=None)
     warm_record, warm_runner = supervise(tmp_path / "warm", park=park)
 
     for record in (cold_record, warm_record):
