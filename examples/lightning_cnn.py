@@ -84,6 +84,18 @@ class ShapesCNN(L.LightningModule):
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(16 * (SIZE // 4) ** 2, CLASSES)
 
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy (--strategy fsdp2): FSDP2 over the data-parallel mesh, each block sharded."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        for block in (self.features, self.head):
+            fully_shard(block, mesh=dp)
+        fully_shard(self, mesh=dp)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.drop(self.features(x).flatten(1)))
 
@@ -93,6 +105,9 @@ class ShapesCNN(L.LightningModule):
         self.log("loss", loss)
         self.log("lr", self.lr_schedulers().get_last_lr()[0])
         self.log("sample", float(index[0]))  # which batch this step trained on (the shuffle's first index)
+        if self.trainer.world_size > 1:  # and every rank's, so a skip shows on each of them
+            for rank, first in enumerate(self.all_gather(index[:1]).flatten().tolist()):
+                self.log(f"sample.rank{rank}", float(first))
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -163,11 +178,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a plain torch DataLoader instead of the StatefulDataLoader",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--devices", type=int, default=1, help="processes per node (CPU, gloo)")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (launched by torchrun or SLURM)")
+    p.add_argument(
+        "--strategy",
+        choices=("auto", "ddp", "fsdp2"),
+        default="auto",
+        help="ddp: DDPStrategy; fsdp2: ModelParallelStrategy with fully_shard() in configure_model()",
+    )
     p.add_argument(
         "--workdir", type=Path, default=None, help="stand-alone run directory (default .rollback/)"
     )
     p.add_argument("--policy", type=Path, default=None, help="policy YAML for stand-alone runs")
     return p.parse_args(argv)
+
+
+def strategy(args: argparse.Namespace) -> str | L.strategies.Strategy:
+    """The Trainer's strategy: gloo on CPU for both multi-process ones; FSDP2 shards over every process (its
+    default would be tensor parallelism within a node)."""
+    if args.strategy == "ddp":
+        return L.strategies.DDPStrategy(process_group_backend="gloo")
+    if args.strategy == "fsdp2":
+        return L.strategies.ModelParallelStrategy(
+            data_parallel_size=args.devices * args.num_nodes, tensor_parallel_size=1, process_group_backend="gloo"
+        )
+    return args.strategy
 
 
 def build(args: argparse.Namespace) -> tuple[L.Trainer, ShapesCNN]:
@@ -179,7 +214,9 @@ def build(args: argparse.Namespace) -> tuple[L.Trainer, ShapesCNN]:
     trainer = L.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
-        devices=1,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy(args),
         val_check_interval=args.val_every,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,

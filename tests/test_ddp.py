@@ -2,7 +2,7 @@
 
 Rank 0 writes every checkpoint with each rank's RNG streams and data position under `ranks.<r>`; every rank
 restores the one rank 0 names; a SIGTERM and a SIGKILL of rank 1 are classified from torchrun's report
-and resumed bit-identically; a NaN is reported by rank 0 and rolled back with the skip and LR scale applied on both ranks.
+and resumed bit-identically; a NaN is reported by rank 0 and rolled back in process with the skip and LR scale applied on both ranks.
 """
 
 from __future__ import annotations
@@ -161,17 +161,18 @@ def test_checkpoint_holds_each_ranks_stream_and_rank1_gets_its_own_back(uninterr
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_nan_under_ddp_rolls_back_with_skip_and_lr_scale_on_both_ranks(uninterrupted, tmp_path: Path):
+def test_nan_under_ddp_rolls_back_in_process_with_skip_and_lr_scale_on_both_ranks(uninterrupted, tmp_path: Path):
     result = run_ddp(tmp_path, faults="nan@45")
     assert result["status"] == "finished", result
     rec = record(tmp_path, "ddp")
-    first, second = rec["segments"]
-    assert first["event"]["type"] == "non_finite" and first["event"]["onset_step"] == 46
-    assert first["decision"]["action"] == "rollback"
+    (segment,) = rec["segments"]  # no relaunch: both ranks rolled back in their own processes
+    assert segment["outcome"] == "finished"
+    (handled,) = segment["in_process"]
+    assert handled["event"]["type"] == "non_finite" and handled["event"]["onset_step"] == 46
+    assert handled["decision"]["action"] == "rollback"
     # palm-spike shape: the best val_loss checkpoint at least 20 steps before the onset (46 - 20 = 26).
-    assert second["restore"]["checkpoint_id"].startswith("0000000020-")
-    assert second["restore"]["skip_batches"] == 7 and second["restore"]["lr_scale"] == 0.5
-    assert second["outcome"] == "finished"
+    assert handled["decision"]["target_id"].startswith("0000000020-")
+    assert handled["decision"]["skip_batches"] == 7 and handled["decision"]["lr_scale"] == 0.5
     assert not training_processes(tmp_path)
     reports = [json.loads(line) for line in (tmp_path / "lineages" / "ddp" / "events.jsonl").open()]
     assert reports and {r["event"]["type"] for r in reports} == {"non_finite"}

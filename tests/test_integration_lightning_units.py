@@ -361,3 +361,52 @@ def test_a_checkpoint_after_validation_holds_what_callbacks_after_ours_updated_i
     trainer.callbacks.append(relaunched)
     trainer.fit(model)
     assert relaunched.validations == 3  # 2 restored, then step 12's (the relaunch does not validate 8 again)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        ("ddp_spawn", 'strategy "ddp_spawn" starts its ranks with multiprocessing spawn'),
+        ("ddp_fork", 'strategy "ddp_fork" starts its ranks with multiprocessing fork'),
+        ("fsdp1", "Trainer(strategy=FSDPStrategy) over 2 processes is not supported"),
+    ],
+)
+def test_a_strategy_of_several_processes_it_cannot_follow_is_refused_saying_what_to_use(strategy, expected):
+    """FSDP1's FSDPStrategy needs a GPU accelerator to be built into a Trainer, so it is checked on its own."""
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from supervisor.integrations.lightning import LightningSetupError, check_strategy
+
+    if strategy == "fsdp1":
+        chosen = FSDPStrategy()
+    else:
+        chosen = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False).strategy
+    with pytest.raises(LightningSetupError) as refused:
+        check_strategy(chosen, 2)
+    message = str(refused.value)
+    assert expected in message, message
+    if strategy == "fsdp1":
+        assert (
+            "ModelParallelStrategy" in message and "FSDP1 (FSDPStrategy) and DeepSpeed are refused" in message
+        )
+    else:
+        assert 'use strategy="ddp"' in message and "torchrun" in message
+    check_strategy(chosen, 1)  # one process: no strategy of several to follow
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ddp_and_fsdp2_over_several_processes_are_accepted(strategy):
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from supervisor.integrations.lightning import check_strategy
+
+    chosen = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if strategy == "fsdp2"
+        else strategy
+    )
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=chosen, logger=False)
+    assert trainer.world_size == 2
+    check_strategy(trainer.strategy, trainer.world_size)  # no error

@@ -47,9 +47,18 @@
   SIGUSR2: `SystemExit(3)`; an anomaly left to the supervisor: `SystemExit(76)` (Lightning's own SIGTERM
   handling also ends `fit()` with a `SystemExit`). A run that finishes returns from `fit()` normally.
 
-Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does. Refused, with
-a message saying why (one `error:` line, exit 2): more than one process (the per-step agreement `Session` has
-under torchrun is not wired to Lightning's ranks), manual optimization (not supported yet; so neither is more
+- **Several processes.** `strategy="ddp"` (a `DDPStrategy`, started by Lightning's own launcher, which runs
+  the script again for each other local rank, or by torchrun/SLURM) and `ModelParallelStrategy` (FSDP2:
+  `fully_shard` in `configure_model()`) run under the `TrainingCore`'s DDP machinery, as `Session` does under
+  torchrun: rank 0 writes the replicated state with every rank's RNG streams and data position (a plain loader
+  with Lightning's `DistributedSampler` included), FSDP2's DTensor state goes through the sharded store (each
+  rank its own shards, one commit), one `all_reduce` per step agrees on stops, saves and anomalies, and an
+  anomaly is rolled back in process on every rank (`tests/test_lightning_ddp.py`, `test_lightning_fsdp.py`).
+
+Stand-alone (no plan in the environment) it runs on local defaults, as `Session.attach` does (every rank on
+rank 0's). Refused, with a message saying why (one `error:` line, exit 2): other strategies over several
+processes (`ddp_spawn`/`ddp_fork`, whose ranks the supervisor cannot signal or relaunch as one group; FSDP1's
+`FSDPStrategy`; DeepSpeed; XLA), manual optimization (not supported yet; so neither is more
 than one optimizer, which Lightning allows only there), `reload_dataloaders_every_n_epochs`, a
 `limit_train_batches` that cuts the loader's epochs short, a second `fit()` with the same callback, and a
 Lightning outside `lightning>=2.6,<2.7` whose loops lack a private attribute the callback drives (listed in
@@ -93,7 +102,7 @@ from supervisor.integrations.order import PlainOrder, check_plain, deferred_iter
 from supervisor.rng import capture_rng, restore_rng
 from supervisor.runtime.actions import Rollback, SaveDue, Stop
 from supervisor.runtime.core import TrainingCore
-from supervisor.runtime.plan import load_plan
+from supervisor.runtime.distributed import Distributed, job_plan
 from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
 
@@ -157,13 +166,16 @@ class RollbackSupervisor(Callback):
             with deferred_iterators():
                 trainer.fit_loop.setup_data()
             self._data = _TrainData(trainer, _train_loader(trainer))
-            run_name = self.run_name or type(pl_module).__name__
-            plan = load_plan(run_name, self.workdir, self.policy)
+            run_name = self.run_name or _class_name(pl_module)
+            # Lightning's strategy has set up the process group by now: our collectives get a group of their own.
+            dist = Distributed.detect() if trainer.world_size > 1 else None
+            plan = job_plan(run_name, self.workdir, self.policy, dist)
             config = self.config if self.config is not None else _hparams(pl_module)
             state = _LightningState()
+            state.rank = dist.rank if dist is not None else 0
             self._used = True
             self.core = core = TrainingCore(
-                plan, load_session_policy(plan), state, config=config, run_name=run_name
+                plan, load_session_policy(plan), state, config=config, run_name=run_name, dist=dist
             )
             self._closed = False
             try:
@@ -605,11 +617,7 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             "is not supported yet (steps are told apart by trainer.global_step); use automatic optimization"
         )
     # More than one optimizer needs manual optimization: Lightning refuses it under automatic optimization.
-    if trainer.world_size > 1:
-        raise LightningSetupError(
-            f"RollbackSupervisor: Trainer runs {trainer.world_size} processes; it supervises a single process "
-            "(devices=1, num_nodes=1) for now"
-        )
+    check_strategy(trainer.strategy, trainer.world_size)
     if trainer.reload_dataloaders_every_n_epochs:
         raise LightningSetupError(
             "RollbackSupervisor: Trainer(reload_dataloaders_every_n_epochs="
@@ -621,6 +629,42 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             f"RollbackSupervisor: trainer.fit(ckpt_path={trainer.ckpt_path!r}): the supervisor restores from its "
             "own checkpoint store per the launch plan; drop ckpt_path"
         )
+
+
+#: The strategies a run of several processes may use: DDP started by Lightning's own launcher (it runs the
+#: script again for each other local rank) or by torchrun/SLURM, and FSDP2 through `ModelParallelStrategy`.
+SUPPORTED_STRATEGIES = 'strategy="ddp" (DDPStrategy) and ModelParallelStrategy (FSDP2 in configure_model())'
+
+
+def check_strategy(strategy: Any, world_size: int) -> None:
+    """Refuse a strategy of several processes whose state or launch the supervisor cannot follow."""
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        ModelParallelStrategy,
+        XLAStrategy,
+    )
+
+    if world_size <= 1:
+        return
+    name = type(strategy).__name__
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy | XLAStrategy):
+        start = getattr(strategy, "_start_method", "popen")
+        if start != "popen":
+            raise LightningSetupError(
+                f'RollbackSupervisor: strategy "ddp_{start}" starts its ranks with multiprocessing {start}, which '
+                'the supervisor cannot stop, signal or relaunch as one group; use strategy="ddp" (Lightning runs '
+                "the script again for each rank) or launch with torchrun"
+            )
+        return
+    if isinstance(strategy, ModelParallelStrategy):
+        return
+    raise LightningSetupError(
+        f"RollbackSupervisor: Trainer(strategy={name}) over {world_size} processes is not supported (its "
+        f"state is not the module's and optimizers' own, or it is sharded in a way the store does not follow); "
+        f"supported with several processes: {SUPPORTED_STRATEGIES}; FSDP1 (FSDPStrategy) and DeepSpeed are "
+        "refused: use ModelParallelStrategy with fully_shard() in configure_model() for FSDP2"
+    )
 
 
 def _warn_lightning_checkpoints(trainer: pl.Trainer) -> None:
@@ -707,6 +751,14 @@ def _named(prefix: str, items: list[Any]) -> list[tuple[str, Any]]:
     if len(items) == 1:
         return [(prefix, items[0])]
     return [(f"{prefix}_{i}", item) for i, item in enumerate(items)]
+
+
+def _class_name(pl_module: pl.LightningModule) -> str:
+    """The module's own class name: FSDP2's `fully_shard` swaps in a class of its making ("FSDP<name>")."""
+    for cls in type(pl_module).__mro__:
+        if not cls.__module__.startswith("torch.distributed."):
+            return cls.__name__
+    return type(pl_module).__name__
 
 
 def _hparams(pl_module: pl.LightningModule) -> dict[str, Any]:

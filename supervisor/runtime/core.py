@@ -72,10 +72,11 @@ class TrainingCore:
     code, `rollback` the lineage's history; `state.step` (the TrainingState's) is the one step counter.
 
     Under torchrun (`dist`) rank 0 writes checkpoints, metrics, the heartbeat and events; every rank
-    restores what rank 0 names and applies the same plan. The in-process rollback is off there: every rank
-    would need to agree on the target and read its own state back, so rank 0 reports the anomaly, every rank
-    stops (exit 76), and the supervisor relaunches all ranks with the plan. `in_process_rollback=False` does
-    the same in one process, for a driver whose loop cannot restart its data iterator (a framework's).
+    restores what rank 0 names and applies the same plan. An anomaly is rolled back in process on every rank:
+    rank 0 decides, restores and names the (committed) target, the others restore it read-only with their own
+    RNG streams and data position. `in_process_rollback=False` leaves every anomaly to the supervisor instead
+    (every rank stops with exit 76 and is relaunched with the plan), for a driver whose loop cannot restart
+    its data iterator (a framework's).
 
     With a sharded model registered (DTensor parameters: FSDP2), every rank saves and restores its own shards
     (`ShardedStore`; in the background with `checkpoint.async`, each rank's own writer) and nothing is gathered;
@@ -297,6 +298,9 @@ class TrainingCore:
         store = self.resources.store
         if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
             return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)
+        dist = self.resources.checkpoints.dist
+        if agreed.anomaly and self.in_process_rollback and dist is not None:
+            return self._replicated_rollback(dist, events, step, stop_pending=agreed.stop is not None)
         if agreed.anomaly:
             for event in events:  # all of them, so the supervisor's monitor finds each one reported
                 log.warning(
@@ -349,10 +353,49 @@ class TrainingCore:
             info = store.restore(target)
             skip, lr_scale = json.loads(dist.broadcast_outcome(None) or "[0, 1.0]")
             self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
+        return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
+
+    def _replicated_rollback(
+        self, dist: Collective, events: list[Event], step: int, *, stop_pending: bool
+    ) -> Action:
+        """DDP with one writer: every rank rolls back in process to the checkpoint rank 0 chooses.
+
+        Rank 0 decides (the policy, as alone), restores from its memory ring (or disk) and waits until the
+        target is committed (it may still have been in flight); it then names the target, the skip and the LR
+        scale, and every other rank restores that checkpoint read-only from disk, its own per-rank part (RNG
+        streams, data position) included. No target (the policy says otherwise): every rank stops for the
+        supervisor, as before. A failure on rank 0 is raised on every rank.
+        """
+        if dist.is_writer:
+            store = self.resources.need_writer()
+            try:
+                rolled = self.rollback.handle(store, events[0], step)
+                if rolled is not None:
+                    store.wait()  # the other ranks read the target from disk
+            except Exception as exc:
+                dist.broadcast_outcome(None, exc)
+                raise
+            if rolled is None:
+                dist.broadcast_outcome(None)
+                return self.outcome.stop_for_anomaly(f"anomaly: {events[0].reason}")
+            info, decision = rolled.info, rolled.decision
+            dist.broadcast_outcome(json.dumps([info.id, decision.skip_batches, decision.lr_scale]))
+            return self._rolled_back(
+                info, decision.skip_batches, decision.lr_scale, stop_pending=stop_pending
+            )
+        named = dist.broadcast_outcome(None)
+        if named is None:
+            return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
+        target, skip, lr_scale = json.loads(named)
+        info = self.resources.need().restore(target)
+        self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
+        return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
+
+    def _rolled_back(self, info: CheckpointInfo, skip: int, lr_scale: float, *, stop_pending: bool) -> Action:
         if self.decider.agreement is not None and not stop_pending:
             self.decider.agreement.stopped = False  # rolled back, not stopping: stops are agreed again
-        self._after_restore(int(skip), float(lr_scale), info, "in-process rollback")
-        return Rollback(info.id, self.state.step, int(skip), float(lr_scale))
+        self._after_restore(skip, lr_scale, info, "in-process rollback")
+        return Rollback(info.id, self.state.step, skip, lr_scale)
 
     def save_may_be_due(self, step: int, *, final: bool = False) -> bool:
         """Whether `step_ended(step)` may answer SaveDue (the last step, a pending stop, or the cadence), asked

@@ -33,6 +33,7 @@ from supervisor.errors import CheckpointError, UserError
 from supervisor.flatten import flatten, unflatten
 
 if TYPE_CHECKING:
+    from supervisor.runtime.plan import LaunchPlan
     from supervisor.state import TrainingState
 
 log = logging.getLogger("rollback_supervisor.distributed")
@@ -156,6 +157,20 @@ class Distributed:
         """Every rank's nested state on rank 0 as {"<rank>": nested} (None elsewhere)."""
         packed = self.gather_bytes(pack_state(nested))
         return None if packed is None else {str(r): unpack_state(b) for r, b in enumerate(packed)}
+
+
+def job_plan(
+    run_name: str, workdir: Path | None, policy: Path | None, dist: Distributed | None
+) -> LaunchPlan:
+    """This rank's launch plan: the supervisor's (every rank reads the same file), or stand-alone rank 0's,
+    broadcast so that every rank writes to and restores from the same place."""
+    from supervisor.runtime.plan import LaunchPlan, load_plan
+
+    plan = load_plan(run_name, workdir, policy)
+    if dist is not None and not plan.supervised:
+        shared = dist.broadcast_text(json.dumps(plan.to_dict()) if dist.is_writer else None)
+        plan = LaunchPlan.from_dict(json.loads(shared))
+    return plan
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

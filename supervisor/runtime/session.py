@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -17,8 +16,8 @@ from supervisor.checkpoint import CheckpointInfo
 from supervisor.errors import UserError
 from supervisor.runtime.actions import Action, Rollback, SaveDue
 from supervisor.runtime.core import TrainingCore
-from supervisor.runtime.distributed import Distributed
-from supervisor.runtime.plan import LaunchPlan, load_plan
+from supervisor.runtime.distributed import Distributed, job_plan
+from supervisor.runtime.plan import LaunchPlan
 from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, MetricsLogger
 from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
@@ -73,10 +72,7 @@ class Session:
         Under torchrun, call `dist.init_process_group()` first; a stand-alone run then uses rank 0's plan.
         """
         dist = Distributed.detect()
-        plan = load_plan(run_name, workdir, policy)
-        if dist is not None and not plan.supervised:
-            shared = dist.broadcast_text(json.dumps(plan.to_dict()) if dist.is_writer else None)
-            plan = LaunchPlan.from_dict(json.loads(shared))
+        plan = job_plan(run_name, workdir, policy, dist)
         return cls(plan, config=config, run_name=run_name, dist=dist)
 
     # -- views over the core -------------------------------------------------------------------

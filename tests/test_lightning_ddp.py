@@ -1,0 +1,149 @@
+"""Lightning under DDP: `examples/lightning_cnn.py --devices 2 --strategy ddp` (gloo on CPU), supervised end to end.
+
+Two ranks, a plain shuffled `DataLoader` that Lightning gives a `DistributedSampler` (each rank reads 128 of the
+256 images: an epoch is 8 steps), checkpoints every 6 steps (6 and 18 fall mid-epoch). Three lineages:
+
+- the reference, launched by torchrun;
+- started by Lightning's own launcher instead (rank 0 runs the script again for rank 1): a NaN at step 9 rolled
+  back in process on both ranks without skip or LR change (so the replay must be the same steps), then a
+  SIGKILL of rank 1 at step 21 (rank 0 fails on the lost peer) and a relaunch of the group; every tensor of its
+  final checkpoint (model, optimizer, scheduler, loop counters, each rank's RNG streams and data position)
+  equals the reference's bit for bit;
+- a NaN rolled back in process with 5 batches skipped at half the LR: each rank's logged sample indices jump 5
+  batches ahead, and the LR of every step after the target is exactly half the reference's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from supervisor.launcher import TorchrunLauncher, TorchrunOptions
+from supervisor.orchestrator import LineageRunner, RunOptions
+from tests.conftest import REPO
+from tests.flowkit import live_series, stored_state
+from tests.test_standby_torchrun import assert_equal_tree
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+EXAMPLE = str(REPO / "examples" / "lightning_cnn.py")
+POLICY = REPO / "tests" / "data" / "policies" / "lightning.yaml"
+STEPS = 24
+PER_EPOCH = 8  # 256 images, 2 ranks, batches of 16
+
+
+def command(strategy: str) -> tuple[str, ...]:
+    return (sys.executable, EXAMPLE, "--steps", str(STEPS), "--val-every", "12", "--plain-loader",
+            "--batch-counter", "--threads", "1", "--devices", "2", "--strategy", strategy)  # fmt: skip
+
+
+def supervise(
+    work: Path,
+    lineage: str,
+    *,
+    faults: str = "",
+    launcher: str = "lightning",
+    strategy: str = "ddp",
+    edits: dict[str, str] | None = None,
+    stored: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One lineage under tests/data/policies/lightning.yaml, checkpointing every 6 steps synchronously, with
+    `edits` (old text -> new) applied to it: its record and (`stored`) everything its final checkpoint holds."""
+    text = (
+        POLICY.read_text().replace("every_steps: 8", "every_steps: 6").replace("async: true", "async: false")
+    )
+    for old, new in (edits or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = work / f"{lineage}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
+    options = RunOptions(
+        command=command(strategy),
+        policy_path=str(path),
+        lineage=lineage,
+        workdir=work,
+        stop_grace_seconds=20,
+        env=env,
+        launcher=TorchrunLauncher(TorchrunOptions(nproc_per_node=2)) if launcher == "torchrun" else None,
+        max_segments=4,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        rec = runner.supervise().to_dict()
+    final = stored_state(runner.layout.checkpoints, rec["final_checkpoint"]) if stored else {}
+    return rec, final
+
+
+def run(rec: dict[str, Any]) -> dict[str, Any]:
+    return {"tracking_uri": rec["mlflow"]["tracking_uri"], "mlflow_run_id": rec["mlflow"]["run_id"]}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lightning-ddp") / "work"
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    rec, final = supervise(work, "reference", launcher="torchrun")
+    series = {key: live_series(run(rec), key) for key in ("loss", "lr", "sample.rank0", "sample.rank1")}
+    return rec, final, series
+
+
+def test_the_reference_runs_both_ranks_to_the_end(reference):
+    rec, final, series = reference
+    assert rec["status"] == "finished" and [s["outcome"] for s in rec["segments"]] == ["finished"]
+    assert rec["final_checkpoint"].startswith(f"{STEPS:010d}-")
+    assert sorted(final["ranks"]) == ["0", "1"]  # each rank's own RNG streams and data position
+    # Lightning's DistributedSampler gave the ranks different halves of the data.
+    assert all(series["sample.rank0"][s] != series["sample.rank1"][s] for s in range(1, STEPS + 1))
+
+
+def test_nan_replay_then_sigkill_of_rank_1_is_bit_identical_to_the_torchrun_reference(reference, work):
+    _, clean, series = reference
+    replay = {"skip_batches: 5": "skip_batches: 0", "lr_scale: 0.5": "lr_scale: 1.0"}
+    rec, final = supervise(work, "faulted", faults="nan@9,kill@21:rank1", edits=replay)
+    assert rec["status"] == "finished", rec["segments"][-1]
+    first, second = rec["segments"]
+    (incident,) = first["in_process"]
+    assert incident["event"]["type"] == "non_finite" and incident["event"]["onset_step"] == 10
+    assert incident["decision"]["target_step"] == 6
+    # Lightning's launcher has no agent to report the lost rank: rank 0's next collective fails on it.
+    assert first["event"]["evidence"]["rule"] == "peer_rank_lost", first["event"]
+    # Checkpoint 18 (two batches into epoch 3) was the newest committed when rank 1 died at step 21.
+    assert second["restore"]["checkpoint_id"].startswith("0000000018-") and second["start_step"] == 18
+    loss = live_series(run(rec), "loss")
+    assert [loss[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
+    assert_equal_tree(clean, final)
+    assert clean["optimizer"]["state"]  # the comparison can fail: there is optimizer state to compare
+
+
+def test_a_nan_rolls_back_in_process_on_both_ranks_skipping_5_batches_at_half_the_lr(reference, work):
+    _, _, clean = reference
+    rec, final = supervise(work, "skip", faults="nan@13")
+    assert rec["status"] == "finished", rec["segments"][-1]
+    (segment,) = rec["segments"]  # no relaunch: both ranks rolled back in their processes
+    (incident,) = segment["in_process"]
+    decision = incident["decision"]
+    assert (decision["target_step"], decision["skip_batches"], decision["lr_scale"]) == (12, 5, 0.5)
+    for key in ("sample.rank0", "sample.rank1"):
+        sample = live_series(run(rec), key)
+        assert sorted(sample) == list(range(1, STEPS + 1))
+        assert [sample[s] for s in range(1, 13)] == [clean[key][s] for s in range(1, 13)], key
+        # From the target on, each rank trains on its own batches 5 further on in its share of the epochs.
+        assert [sample[s] for s in range(13, 20)] == [clean[key][s] for s in range(18, 25)], key
+        assert len({sample[s] for s in range(13, 20)}) == 7
+    lr = live_series(run(rec), "lr")
+    assert [lr[s] for s in range(13, STEPS + 1)] == [clean["lr"][s] * 0.5 for s in range(13, STEPS + 1)]
+    for rank in (0, 1):  # what each rank had after the restore, as rank 0 logged it
+        assert live_series(run(rec), f"rollback.rank{rank}.batches_skipped")[12] == 5
+        # Restored to the end of step 12, the optimizer holds the LR of step 13 (exact in float64; the module
+        # logs the LR through Lightning as float32, where halving is exact too).
+        applied = live_series(run(rec), f"rollback.rank{rank}.lr")[12]
+        assert float(torch.tensor(applied, dtype=torch.float32)) == clean["lr"][13] * 0.5
+    assert [final["ranks"][r]["data"]["batches_skipped"] for r in ("0", "1")] == [5, 5]
