@@ -200,7 +200,9 @@ def strategy(args: argparse.Namespace) -> str | L.strategies.Strategy:
         return L.strategies.DDPStrategy(process_group_backend="gloo")
     if args.strategy == "fsdp2":
         return L.strategies.ModelParallelStrategy(
-            data_parallel_size=args.devices * args.num_nodes, tensor_parallel_size=1, process_group_backend="gloo"
+            data_parallel_size=args.devices * args.num_nodes,
+            tensor_parallel_size=1,
+            process_group_backend="gloo",
         )
     return args.strategy
 

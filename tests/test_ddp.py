@@ -161,7 +161,9 @@ def test_checkpoint_holds_each_ranks_stream_and_rank1_gets_its_own_back(uninterr
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_nan_under_ddp_rolls_back_in_process_with_skip_and_lr_scale_on_both_ranks(uninterrupted, tmp_path: Path):
+def test_nan_under_ddp_rolls_back_in_process_with_skip_and_lr_scale_on_both_ranks(
+    uninterrupted, tmp_path: Path
+):
     result = run_ddp(tmp_path, faults="nan@45")
     assert result["status"] == "finished", result
     rec = record(tmp_path, "ddp")
