@@ -402,3 +402,32 @@ def test_cli_run_sigterm_saves_exits_75_and_the_relaunch_resumes_bit_identical(
     assert_bit_identical(final, reference)
     resumed, clean = live_series(lineage_result(rec), "loss"), live_series(standalone["result"], "loss")
     assert [resumed[s] for s in range(34, STEPS + 1)] == [clean[s] for s in range(34, STEPS + 1)]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "deepspeed"])
+def test_fsdp_or_deepspeed_over_several_processes_is_refused_saying_ddp_works(kind):
+    from supervisor.integrations.transformers import TrainerSetupError, check_parallelism
+
+    with pytest.raises(
+        TrainerSetupError, match=rf"TrainingArguments\({kind}=...\) over 2 processes.*drop {kind}="
+    ):
+        check_parallelism(2, fsdp=kind == "fsdp", deepspeed=kind == "deepspeed")
+    check_parallelism(1, fsdp=kind == "fsdp", deepspeed=kind == "deepspeed")  # one process: nothing to shard
+    check_parallelism(2, fsdp=False, deepspeed=False)  # DDP
+
+
+def test_a_ranks_share_of_the_order_is_followed_unless_accelerate_splits_each_batch():
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    from supervisor.integrations.transformers import TrainerSetupError, _check_loader, _Holder
+
+    batches = BatchSampler(SequentialSampler(range(16)), 4, drop_last=False)
+    shard = BatchSamplerShard(batches, num_processes=2, process_index=1)
+    assert _check_loader(_Holder(shard)) is shard  # each rank's order is its shard of the Trainer's
+    split = BatchSamplerShard(batches, num_processes=2, process_index=1, split_batches=True)
+    with pytest.raises(TrainerSetupError, match="split_batches=True"):
+        _check_loader(_Holder(split))
+    drawn = BatchSamplerShard(BatchSampler(RandomSampler(range(16)), 4, drop_last=False), 2, 0)
+    with pytest.raises(TrainerSetupError, match="sampler is RandomSampler"):
+        _check_loader(_Holder(drawn))  # a sampler without set_epoch: refused in a shard as alone

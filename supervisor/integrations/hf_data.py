@@ -68,7 +68,8 @@ class ResumableOrder:
         epoch, skip = self.position.epoch_of(start)
         handed = 0
         while handed < len(self.inner):
-            sampler = getattr(self.inner, "sampler", None)
+            # Under DDP the inner sampler is accelerate's BatchSamplerShard over the Trainer's batch sampler.
+            sampler = getattr(getattr(self.inner, "batch_sampler", self.inner), "sampler", None)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
             for index, batch in enumerate(self.inner):

@@ -46,6 +46,12 @@ its loop:
   and the user's `save_model()` or `push_to_hub()` after `train()` runs.
 - **Mistakes** in the set-up (a Trainer that cannot resume exactly, a checkpoint of another epoch size, a
   second `train()`) end the process with one `error: ...` line on stderr and exit 2, no traceback.
+- **Several processes** (torchrun or `accelerate launch`, DDP): accelerate hands each rank a
+  `BatchSamplerShard` of the Trainer's order, which the callback follows per rank; the `TrainingCore` runs
+  its DDP machinery (rank 0 writes the checkpoint with every rank's RNG streams and data position, one
+  `all_reduce` per step agrees on stops, saves and anomalies, and whether a save may be due, so every rank
+  asks the Trainer to log the same steps). An anomaly stops every rank for a relaunch of the group, as in
+  one process (`tests/test_hf_ddp.py`).
 - **Warnings** at the start for what costs without helping: the Trainer's own checkpoints
   (`save_strategy` other than "no": pickled, never read here, unbounded without `save_total_limit`) and
   `report_to` with "mlflow" (a separate MLflow run per segment; the lineage's run already has every metric).
@@ -65,7 +71,7 @@ others are read with `getattr` and a fallback (the plain torch loader and optimi
 
 Not exact: random draws inside the dataset's `__getitem__` (the Trainer's own resume has the same limit),
 data workers' random streams, and evaluations with `eval_strategy="epoch"`, which follow the Trainer's
-epochs. Refused: `world_size > 1` (single process only), and a `gradient_accumulation_steps` that does not
+epochs. Refused: FSDP and DeepSpeed over several processes (DDP is supported), and a `gradient_accumulation_steps` that does not
 divide the batches of an epoch (the Trainer's short last step of an epoch is counted from where its loop
 started, so a resume would group batches into steps differently).
 
@@ -93,7 +99,7 @@ from supervisor.integrations.hf_data import BatchCountMismatch, DataPosition, Re
 from supervisor.integrations.hf_state import LOG_HISTORY_KEPT, TRAINER_STATE_FIELDS, TrainerStatePart
 from supervisor.runtime.actions import SaveDue, Stop
 from supervisor.runtime.core import TrainingCore
-from supervisor.runtime.plan import load_plan
+from supervisor.runtime.distributed import Distributed, job_plan
 from supervisor.runtime.wiring import load_session_policy
 from supervisor.state import TrainingState
 
@@ -213,18 +219,23 @@ class RollbackSupervisorCallback(TrainerCallback):
         base = getattr(loader, "base_dataloader", loader)
         inner = _check_loader(base)
         _check_accumulation(args.gradient_accumulation_steps, len(inner))
-        plan = load_plan(self.run_name, self.workdir, self.policy)
+        # The Trainer (accelerate) has set up the process group by now: our collectives get a group of their own.
+        dist = Distributed.detect() if args.world_size > 1 else None
+        plan = job_plan(self.run_name, self.workdir, self.policy, dist)
         policy = load_session_policy(plan)
         config = {
             k: _param(v) for k, v in ({k: getattr(args, k, None) for k in CONFIG_ARGS} | self.config).items()
         }
         # The Trainer's loop cannot be rewound from a callback (module docstring): the supervisor decides.
+        state_ = TrainingState()
+        state_.rank = dist.rank if dist is not None else 0
         core = TrainingCore(
             plan,
             policy,
-            TrainingState(),
+            state_,
             config=config,
             run_name=self.run_name,
+            dist=dist,
             in_process_rollback=False,
         )
         self.core = core
@@ -532,12 +543,19 @@ def _warn_about_args(args: TrainingArguments, state: TrainerState, policy: Polic
         )
 
 
-def _check_args(args: TrainingArguments) -> None:
-    if args.world_size > 1:
+def check_parallelism(world_size: int, *, fsdp: bool, deepspeed: bool) -> None:
+    """Several processes are supported under DDP only, for now (TrainerSetupError saying what to drop)."""
+    if world_size > 1 and (fsdp or deepspeed):
+        what = "fsdp" if fsdp else "deepspeed"
         raise TrainerSetupError(
-            f"RollbackSupervisorCallback: world_size is {args.world_size}; only a single process is supported "
-            "(the per-step agreement of ranks is not wired to the Trainer): run one process"
+            f"RollbackSupervisorCallback: TrainingArguments({what}=...) over {world_size} processes: the "
+            "callback supervises the Trainer under DDP (torchrun, accelerate launch) for now, whose model and "
+            f"optimizer are whole on every rank; drop {what}= to train with DDP"
         )
+
+
+def _check_args(args: TrainingArguments) -> None:
+    check_parallelism(args.world_size, fsdp=bool(args.fsdp), deepspeed=bool(args.deepspeed))
     if args.auto_find_batch_size:
         raise TrainerSetupError(
             "RollbackSupervisorCallback: auto_find_batch_size restarts the loop with another batch size, which "
@@ -550,6 +568,11 @@ def _check_loader(base: Any) -> Any:
     from torch.utils.data import BatchSampler, SequentialSampler
 
     inner = getattr(base, "batch_sampler", None)
+    sharded = _unsharded(inner)
+    if sharded is not inner:
+        _check_loader_shard(inner)
+        _check_loader(_Holder(sharded))
+        return inner
     sampler = getattr(inner, "sampler", None)
     if not isinstance(inner, BatchSampler) or not (
         isinstance(sampler, SequentialSampler) or callable(getattr(sampler, "set_epoch", None))
@@ -561,6 +584,29 @@ def _check_loader(base: Any) -> Any:
             "accelerator_config use_seedable_sampler=True) or train_sampling_strategy='sequential'"
         )
     return inner
+
+
+class _Holder:
+    """A loader-like holder of a batch sampler (what `_check_loader` reads)."""
+
+    def __init__(self, batch_sampler: Any):
+        self.batch_sampler = batch_sampler
+
+
+def _unsharded(batch_sampler: Any) -> Any:
+    """Under DDP accelerate gives each rank a `BatchSamplerShard` over the Trainer's batch sampler: that one."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    return batch_sampler.batch_sampler if isinstance(batch_sampler, BatchSamplerShard) else batch_sampler
+
+
+def _check_loader_shard(shard: Any) -> None:
+    """A rank's share of every epoch must be the same batches whenever its order is replayed."""
+    if shard.split_batches:
+        raise TrainerSetupError(
+            "RollbackSupervisorCallback: accelerator_config split_batches=True splits each batch across the "
+            "ranks; the callback follows whole batches per rank: leave split_batches=False"
+        )
 
 
 def _check_accumulation(steps: int, per_epoch: int) -> None:

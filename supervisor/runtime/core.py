@@ -400,8 +400,14 @@ class TrainingCore:
     def save_may_be_due(self, step: int, *, final: bool = False) -> bool:
         """Whether `step_ended(step)` may answer SaveDue (the last step, a pending stop, or the cadence), asked
         before the step's metrics are gathered; changes nothing. A driver whose framework logs only some steps
-        (the HF Trainer) makes sure such a step's metrics exist, so no checkpoint is written unchecked."""
-        return final or self.stopping() is not None or self.decider.may_save(step)
+        (the HF Trainer) makes sure such a step's metrics exist, so no checkpoint is written unchecked.
+
+        Under DDP the answer is agreed (one `all_reduce`: collective, every rank asks at the same point): a
+        time trigger read on each rank's clock could differ, and the driver's answer changes what the
+        framework does next (the Trainer's logging gathers the loss from every rank)."""
+        mine = final or self.stopping() is not None or self.decider.may_save(step)
+        dist = self.resources.checkpoints.dist
+        return mine if dist is None else bool(dist.agree(int(mine))[0])
 
     def stopping(self) -> Stop | None:
         """The stop to carry out now, if any; under DDP only one every rank agreed on counts."""

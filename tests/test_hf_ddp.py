@@ -1,0 +1,121 @@
+"""The Hugging Face Trainer under DDP: `torchrun --nproc_per_node=2 examples/hf_tiny_gpt.py` (gloo on CPU).
+
+accelerate gives each rank a `BatchSamplerShard` of the Trainer's seeded shuffled order (256 windows at batch
+8 over 2 ranks: an epoch is 16 steps); the callback follows each rank's share of it. Checkpoints every 10 steps,
+written synchronously by rank 0 with every rank's RNG streams and data position. Three lineages:
+
+- the reference, uninterrupted;
+- a NaN at step 13, relaunched from checkpoint 10 without skip or LR change (the Trainer cannot be rewound in
+  process, see docs/integrations.md), then a SIGKILL of rank 1 at step 22 and a relaunch from checkpoint 20:
+  every tensor of the final checkpoint equals the reference's, and every logged loss, bit for bit;
+- a NaN relaunched with 5 batches skipped at half the LR: every rank skipped 5 batches of its share, and each
+  step after the target trains on the reference's batch 5 further on, at exactly half its LR.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.launcher import TorchrunLauncher, TorchrunOptions
+from supervisor.orchestrator import LineageRunner, RunOptions
+from tests.conftest import REPO
+from tests.flowkit import live_series, stored_state
+from tests.test_standby_torchrun import assert_equal_tree
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HF = str(REPO / "examples" / "hf_tiny_gpt.py")
+POLICY = REPO / "tests" / "data" / "policies" / "hf-sync.yaml"
+STEPS = 24
+
+
+def supervise(work: Path, lineage: str, *, faults: str = "", edits: dict[str, str] | None = None):
+    """One lineage of the example under torchrun (2 ranks) and hf-sync.yaml with `edits` (old -> new text):
+    its record and everything its final checkpoint holds."""
+    text = POLICY.read_text()
+    for old, new in (edits or {}).items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = work / f"{lineage}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
+    options = RunOptions(
+        command=(sys.executable, HF, "--steps", str(STEPS), "--cpu", "--threads", "1"),
+        policy_path=str(path),
+        lineage=lineage,
+        workdir=work,
+        stop_grace_seconds=20,
+        env=env,
+        launcher=TorchrunLauncher(TorchrunOptions(nproc_per_node=2)),
+        max_segments=4,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        rec = runner.supervise().to_dict()
+    return rec, stored_state(runner.layout.checkpoints, rec["final_checkpoint"])
+
+
+def run(rec: dict[str, Any]) -> dict[str, Any]:
+    return {"tracking_uri": rec["mlflow"]["tracking_uri"], "mlflow_run_id": rec["mlflow"]["run_id"]}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf-ddp") / "work"
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    rec, final = supervise(work, "reference")
+    assert rec["status"] == "finished" and len(rec["segments"]) == 1, rec["segments"][-1]
+    keys = ("loss", "learning_rate", "data.batch", "data.sample")
+    return rec, final, {key: live_series(run(rec), key) for key in keys}
+
+
+def test_a_nan_relaunch_and_a_sigkill_of_rank_1_resume_bit_identically(reference, work):
+    _, clean, series = reference
+    assert sorted(clean["ranks"]) == ["0", "1"] and clean["optimizer"]["state"]
+    replay = {"skip_batches: 5": "skip_batches: 0", "lr_scale: 0.5": "lr_scale: 1.0"}
+    rec, final = supervise(work, "faulted", faults="nan@13,kill@22:rank1", edits=replay)
+    assert rec["status"] == "finished", rec["segments"][-1]
+    nan, killed, last = rec["segments"]
+    assert nan["returncode"] == 76 and nan["event"]["type"] == "non_finite"
+    assert killed["restore"]["checkpoint_id"].startswith("0000000010-") and killed["restore"]["rollback"]
+    assert killed["event"]["evidence"]["rule"] == "torchrun_child_sigkill", killed["event"]
+    assert last["restore"]["checkpoint_id"].startswith("0000000020-") and last["start_step"] == 20
+    loss = live_series(run(rec), "loss")
+    assert [loss[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
+    assert_equal_tree(clean, final)
+
+
+def test_a_nan_is_relaunched_skipping_5_batches_on_every_rank_at_half_the_lr(reference, work):
+    _, _, clean = reference
+    rec, final = supervise(work, "skip", faults="nan@13")
+    assert rec["status"] == "finished", rec["segments"][-1]
+    first, second = rec["segments"]
+    assert first["returncode"] == 76 and first["event"]["type"] == "non_finite"
+    restore = second["restore"]
+    assert restore["checkpoint_id"].startswith("0000000010-")
+    assert (restore["skip_batches"], restore["lr_scale"], restore["rollback"]) == (5, 0.5, True)
+    result = run(rec)
+    for rank in (0, 1):  # each rank skipped 5 batches of its own share
+        assert live_series(result, f"rollback.rank{rank}.batches_skipped")[10] == 5
+    assert [final["ranks"][r]["data"]["batches"] for r in ("0", "1")] == [STEPS + 5] * 2
+    batches, samples = live_series(result, "data.batch"), live_series(result, "data.sample")
+    assert [batches[s] for s in range(11, STEPS - 4)] == [
+        clean["data.batch"][s + 5] for s in range(11, STEPS - 4)
+    ]
+    assert [samples[s] for s in range(11, STEPS - 4)] == [
+        clean["data.sample"][s + 5] for s in range(11, STEPS - 4)
+    ]
+    lr = live_series(result, "learning_rate")
+    assert [lr[s] for s in range(1, 11)] == [clean["learning_rate"][s] for s in range(1, 11)]
+    assert [lr[s] for s in range(11, STEPS + 1)] == [
+        clean["learning_rate"][s] * 0.5 for s in range(11, STEPS + 1)
+    ]
