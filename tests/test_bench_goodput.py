@@ -204,9 +204,9 @@ def test_bad_options_are_user_errors(args, message, capsys):
 @pytest.mark.e2e
 def test_tiny_run_reports_goodput_and_time_buckets(tmp_path: Path):
     out = tmp_path / "goodput.json"
-    # Seed 12 at 2/min puts the one SIGKILL 19.3 s into the 36 s budget, after the first segment trains.
+    # Seed 47 at 2/min puts the one SIGKILL 13.0 s into the 24 s budget, after the first segment trains.
     code = main([
-        "bench", "goodput", "--json", str(out), "--rate", "2", "--minutes", "0.6", "--seed", "12",
+        "bench", "goodput", "--json", str(out), "--rate", "2", "--minutes", "0.4", "--seed", "47",
         "--intervals", "10", "--no-adaptive", "--workdir", str(tmp_path),
     ])  # fmt: skip
     assert code == 0
@@ -223,6 +223,8 @@ def test_tiny_run_reports_goodput_and_time_buckets(tmp_path: Path):
     } <= run.keys()
     assert set(run["time_fraction"]) == {"startup", "restart", "checkpoint", "redone", "useful", "other"}
     assert run["preemptions"] == 1 and run["segments"] >= 2
+    (at,) = run["preemption_times_s"]  # the seed's one arrival, delivered once due, within the budget
+    assert 13.0 <= at < 24
     # Checkpoints every 10 steps of ~0.06 s: a preemption loses about half of that on average.
     assert 0 < run["expected_loss_per_preemption_s"] < 10 * run["step_s"]
     assert run["expected_cadence_overhead"] >= run["time_fraction"]["checkpoint"]
