@@ -21,10 +21,13 @@ from typing import Any
 
 import pytest
 
+from policies import load_policy
 from supervisor.launcher import TorchrunLauncher, TorchrunOptions
+from supervisor.launcher.slurm import launcher_from_policy
 from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.conftest import REPO
 from tests.flowkit import live_series, stored_state
+from tests.nodekit import NodeKiller, two_nodes
 from tests.test_standby_torchrun import assert_equal_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -35,17 +38,33 @@ POLICY = REPO / "tests" / "data" / "policies" / "hf-sync.yaml"
 STEPS = 24
 
 
-def supervise(work: Path, lineage: str, *, faults: str = "", edits: dict[str, str] | None = None):
-    """One lineage of the example under torchrun (2 ranks) and hf-sync.yaml with `edits` (old -> new text):
-    its record and everything its final checkpoint holds."""
+def supervise(
+    work: Path,
+    lineage: str,
+    *,
+    faults: str = "",
+    edits: dict[str, str] | None = None,
+    nodes: int = 1,
+    kill_node_after: int | None = None,
+):
+    """One lineage of the example under torchrun (2 ranks: one node, or `nodes=2` of one rank each, see
+    tests/nodekit.py) and hf-sync.yaml with `edits` (old -> new text): its record and everything its final
+    checkpoint holds. With `kill_node_after`, node 1 is killed whole once a drill `hang` fault fired on rank 1
+    after that step's checkpoint committed."""
     text = POLICY.read_text()
     for old, new in (edits or {}).items():
         assert old in text, old
         text = text.replace(old, new)
+    if nodes == 2:
+        text += two_nodes()
     path = work / f"{lineage}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
+    if nodes == 2:
+        launcher: Any = launcher_from_policy(load_policy(path).launcher, work)
+    else:
+        launcher = TorchrunLauncher(TorchrunOptions(nproc_per_node=2))
     options = RunOptions(
         command=(sys.executable, HF, "--steps", str(STEPS), "--cpu", "--threads", "1"),
         policy_path=str(path),
@@ -53,11 +72,18 @@ def supervise(work: Path, lineage: str, *, faults: str = "", edits: dict[str, st
         workdir=work,
         stop_grace_seconds=20,
         env=env,
-        launcher=TorchrunLauncher(TorchrunOptions(nproc_per_node=2)),
+        launcher=launcher,
         max_segments=4,
     )
+    killer = None
+    if kill_node_after is not None:
+        hang = next(f for f in faults.split(",") if f.startswith("hang@"))
+        killer = NodeKiller(launcher, work, hang_key=hang, rank=1, step=kill_node_after).start()
     with LineageRunner(options, sleep=lambda s: None) as runner:
         rec = runner.supervise().to_dict()
+    if killer is not None:
+        killed = killer.join()
+        assert "error" not in killed and killed["ranks"], killed
     return rec, stored_state(runner.layout.checkpoints, rec["final_checkpoint"])
 
 
@@ -119,3 +145,21 @@ def test_a_nan_is_relaunched_skipping_5_batches_on_every_rank_at_half_the_lr(ref
     assert [lr[s] for s in range(11, STEPS + 1)] == [
         clean["learning_rate"][s] * 0.5 for s in range(11, STEPS + 1)
     ]
+
+
+def test_the_loss_of_a_whole_node_relaunches_both_nodes_from_one_commit_bit_identically(reference, work):
+    """Two torchrun nodes of one rank each (c10d on 127.0.0.1): rank 1 stalls at step 22, then its whole node
+    (agent and rank) is SIGKILLed. One event (a lost node), one decision (resume), both nodes relaunched from
+    checkpoint 20; the finish equals the one-node reference of the same two ranks, bit for bit."""
+    _, clean, series = reference
+    rec, final = supervise(work, "nodes", faults="hang@22:rank1", nodes=2, kill_node_after=20)
+    assert rec["status"] == "finished", rec["segments"][-1]
+    lost, last = rec["segments"]
+    event = lost["event"]
+    assert event["type"] == "hardware_fault" and event["evidence"]["kind"] == "node_lost", event
+    assert event["evidence"]["node"] == 1 and lost["decision"]["action"] == "resume"
+    assert not last["event"] and not lost["in_process"] and not last["in_process"]  # one event, one decision
+    assert last["restore"]["checkpoint_id"].startswith("0000000020-") and last["start_step"] == 20
+    loss = live_series(run(rec), "loss")
+    assert [loss[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
+    assert_equal_tree(clean, final)

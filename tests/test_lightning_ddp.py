@@ -1,7 +1,7 @@
 """Lightning under DDP: `examples/lightning_cnn.py --devices 2 --strategy ddp` (gloo on CPU), supervised end to end.
 
 Two ranks, a plain shuffled `DataLoader` that Lightning gives a `DistributedSampler` (each rank reads 128 of the
-256 images: an epoch is 8 steps), checkpoints every 6 steps (6 and 18 fall mid-epoch). Three lineages:
+256 images: an epoch is 8 steps), checkpoints every 6 steps (6 and 18 fall mid-epoch). Four lineages:
 
 - the reference, launched by torchrun;
 - started by Lightning's own launcher instead (rank 0 runs the script again for rank 1): a NaN at step 9 rolled
@@ -22,10 +22,13 @@ from typing import Any
 import pytest
 import torch
 
+from policies import load_policy
 from supervisor.launcher import TorchrunLauncher, TorchrunOptions
+from supervisor.launcher.slurm import launcher_from_policy
 from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.conftest import REPO
 from tests.flowkit import live_series, stored_state
+from tests.nodekit import NodeKiller, two_nodes
 from tests.test_standby_torchrun import assert_equal_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -36,9 +39,10 @@ STEPS = 24
 PER_EPOCH = 8  # 256 images, 2 ranks, batches of 16
 
 
-def command(strategy: str) -> tuple[str, ...]:
+def command(strategy: str, nodes: int = 1) -> tuple[str, ...]:
     return (sys.executable, EXAMPLE, "--steps", str(STEPS), "--val-every", "12", "--plain-loader",
-            "--batch-counter", "--threads", "1", "--devices", "2", "--strategy", strategy)  # fmt: skip
+            "--batch-counter", "--threads", "1", "--devices", str(2 // nodes), "--num-nodes", str(nodes),
+            "--strategy", strategy)  # fmt: skip
 
 
 def supervise(
@@ -50,31 +54,51 @@ def supervise(
     strategy: str = "ddp",
     edits: dict[str, str] | None = None,
     stored: bool = True,
+    kill_node_after: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One lineage under tests/data/policies/lightning.yaml, checkpointing every 6 steps synchronously, with
-    `edits` (old text -> new) applied to it: its record and (`stored`) everything its final checkpoint holds."""
+    `edits` (old text -> new) applied to it: its record and (`stored`) everything its final checkpoint holds.
+
+    `launcher`: "lightning" (its own launcher), "torchrun" (one node of 2 ranks), or "nodes" (2 torchrun
+    nodes of 1 rank, tests/nodekit.py); with `kill_node_after`, node 1 is killed whole once a drill `hang`
+    fault fired on rank 1 after that step's checkpoint committed."""
     text = (
         POLICY.read_text().replace("every_steps: 8", "every_steps: 6").replace("async: true", "async: false")
     )
     for old, new in (edits or {}).items():
         assert old in text, old
         text = text.replace(old, new)
+    nodes = 2 if launcher == "nodes" else 1
+    if nodes == 2:
+        text += two_nodes()
     path = work / f"{lineage}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
+    chosen: Any = None
+    if launcher == "torchrun":
+        chosen = TorchrunLauncher(TorchrunOptions(nproc_per_node=2))
+    elif launcher == "nodes":
+        chosen = launcher_from_policy(load_policy(path).launcher, work)
     options = RunOptions(
-        command=command(strategy),
+        command=command(strategy, nodes),
         policy_path=str(path),
         lineage=lineage,
         workdir=work,
         stop_grace_seconds=20,
         env=env,
-        launcher=TorchrunLauncher(TorchrunOptions(nproc_per_node=2)) if launcher == "torchrun" else None,
+        launcher=chosen,
         max_segments=4,
     )
+    killer = None
+    if kill_node_after is not None:
+        hang = next(f for f in faults.split(",") if f.startswith("hang@"))
+        killer = NodeKiller(chosen, work, hang_key=hang, rank=1, step=kill_node_after).start()
     with LineageRunner(options, sleep=lambda s: None) as runner:
         rec = runner.supervise().to_dict()
+    if killer is not None:
+        killed = killer.join()
+        assert "error" not in killed and killed["ranks"], killed
     final = stored_state(runner.layout.checkpoints, rec["final_checkpoint"]) if stored else {}
     return rec, final
 
@@ -147,3 +171,21 @@ def test_a_nan_rolls_back_in_process_on_both_ranks_skipping_5_batches_at_half_th
         applied = live_series(run(rec), f"rollback.rank{rank}.lr")[12]
         assert float(torch.tensor(applied, dtype=torch.float32)) == clean["lr"][13] * 0.5
     assert [final["ranks"][r]["data"]["batches_skipped"] for r in ("0", "1")] == [5, 5]
+
+
+def test_the_loss_of_a_whole_node_relaunches_both_nodes_from_one_commit_bit_identically(reference, work):
+    """Two torchrun nodes of one rank each (c10d on 127.0.0.1): rank 1 stalls at step 21, then its whole node
+    (agent and rank) is SIGKILLed. One event (a lost node), one decision (resume), both nodes relaunched from
+    checkpoint 18; the finish equals the one-node reference of the same two ranks, bit for bit."""
+    _, clean, series = reference
+    rec, final = supervise(work, "nodes", faults="hang@21:rank1", launcher="nodes", kill_node_after=18)
+    assert rec["status"] == "finished", rec["segments"][-1]
+    lost, last = rec["segments"]
+    event = lost["event"]
+    assert event["type"] == "hardware_fault" and event["evidence"]["kind"] == "node_lost", event
+    assert event["evidence"]["node"] == 1 and lost["decision"]["action"] == "resume"
+    assert not last["event"] and not lost["in_process"] and not last["in_process"]  # one event, one decision
+    assert last["restore"]["checkpoint_id"].startswith("0000000018-") and last["start_step"] == 18
+    loss = live_series(run(rec), "loss")
+    assert [loss[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
+    assert_equal_tree(clean, final)
