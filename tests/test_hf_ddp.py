@@ -2,14 +2,16 @@
 
 accelerate gives each rank a `BatchSamplerShard` of the Trainer's seeded shuffled order (256 windows at batch
 8 over 2 ranks: an epoch is 16 steps); the callback follows each rank's share of it. Checkpoints every 10 steps,
-written synchronously by rank 0 with every rank's RNG streams and data position. Three lineages:
+written synchronously by rank 0 with every rank's RNG streams and data position. Four lineages:
 
 - the reference, uninterrupted;
 - a NaN at step 13, relaunched from checkpoint 10 without skip or LR change (the Trainer cannot be rewound in
   process, see docs/integrations.md), then a SIGKILL of rank 1 at step 22 and a relaunch from checkpoint 20:
   every tensor of the final checkpoint equals the reference's, and every logged loss, bit for bit;
 - a NaN relaunched with 5 batches skipped at half the LR: every rank skipped 5 batches of its share, and each
-  step after the target trains on the reference's batch 5 further on, at exactly half its LR.
+  step after the target trains on the reference's batch 5 further on, at exactly half its LR;
+- on two torchrun nodes of one rank each: node 1 lost whole (agent and rank), both nodes relaunched from one
+  commit, bit-identical to the one-node reference.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Two ranks, a plain shuffled `DataLoader` that Lightning gives a `DistributedSamp
   final checkpoint (model, optimizer, scheduler, loop counters, each rank's RNG streams and data position)
   equals the reference's bit for bit;
 - a NaN rolled back in process with 5 batches skipped at half the LR: each rank's logged sample indices jump 5
-  batches ahead, and the LR of every step after the target is exactly half the reference's.
+  batches ahead, and the LR of every step after the target is exactly half the reference's;
+- on two torchrun nodes of one rank each: node 1 lost whole (agent and rank), both nodes relaunched from one
+  commit, bit-identical to the one-node reference.
 """
 
 from __future__ import annotations
