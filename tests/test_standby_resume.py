@@ -131,11 +131,37 @@ def final_state(record: dict, runner: LineageRunner) -> tuple[dict, dict[int, fl
     return state, live_series(result, "loss")
 
 
-def test_a_resume_through_the_standby_is_bit_identical_to_a_cold_one(tmp_path: Path, caplog):
-    caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
-    cold_record, cold_runner = supervise(tmp_path / "cold", standby=False)
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, LineageRunner, list[logging.LogRecord]]:
+    """The plain example's cold lineage, the reference of the first and the preloading test: supervised once
+    per module. With every log record it produced, the launcher's at INFO (as caplog would hold them)."""
+    launcher, root = logging.getLogger("rollback_supervisor.launcher"), logging.getLogger()
+    level, handler = launcher.level, _Records()
+    launcher.setLevel(logging.INFO)
+    root.addHandler(handler)
+    try:
+        record, runner = supervise(tmp_path_factory.mktemp("standby-cold") / "cold", standby=False)
+    finally:
+        root.removeHandler(handler)
+        launcher.setLevel(level)
+    return record, runner, handler.records
+
+
+def test_a_resume_through_the_standby_is_bit_identical_to_a_cold_one(tmp_path: Path, caplog, cold):
+    cold_record, cold_runner, cold_records = cold
     # No launcher line about a standby (the lineage itself is called "standby": other loggers may say so).
-    assert not [r for r in caplog.records if r.name.endswith(".launcher") and "standby" in r.getMessage()]
+    assert [r for r in cold_records if r.name.endswith(".launcher")]  # the records were collected at all
+    assert not [r for r in cold_records if r.name.endswith(".launcher") and "standby" in r.getMessage()]
+    caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
     warm_record, warm_runner = supervise(tmp_path / "warm", standby=True)
 
     used = [int(pid) for pid in re.findall(r"segment starts in standby pid (\d+)", caplog.text)]
@@ -189,10 +215,10 @@ def test_a_resume_through_a_standby_parked_at_its_plan_is_bit_identical_and_buil
 
 
 def test_a_resume_through_a_preloading_standby_restores_from_memory_and_is_bit_identical(
-    tmp_path: Path, caplog
+    tmp_path: Path, caplog, cold
 ):
+    cold_record, cold_runner, _ = cold
     caplog.set_level(logging.INFO, "rollback_supervisor.launcher")
-    cold_record, cold_runner = supervise(tmp_path / "cold", standby=False)
     warm_record, warm_runner = supervise(
         tmp_path / "preloaded", standby=True, park="plan", marked=True, preload=True
     )
