@@ -65,11 +65,12 @@ def test_the_lineage_artifact_renders_in_a_real_browser(tmp_path: Path):
             {"artifacts": {"key": {"any_": [artifact_key(lineage)]}}, "sort": "CREATED_DESC", "limit": 1},
         )[0]
         url = f"http://127.0.0.1:{server.port}/artifacts/artifact/{artifact['id']}"
-        dom = _browser(url, "--dump-dom")
         # Outside the repository and outside pytest's temporary directories (those are pruned).
         screenshot = Path(tempfile.gettempdir()) / "rollback-supervisor-ui" / "artifact.png"
         screenshot.parent.mkdir(exist_ok=True)
-        _browser(url, f"--screenshot={screenshot}")
+        screenshot.unlink(missing_ok=True)  # the one checked below is this run's
+        # One browser run for both: headless Chromium dumps the DOM and takes the screenshot of the same page.
+        dom = _browser(url, "--dump-dom", f"--screenshot={screenshot}")
     finally:
         server.stop()
     print(f"screenshot of the artifact page: {screenshot}")
