@@ -33,7 +33,7 @@ from supervisor.script.mode import ScriptMode, SegmentPaths
 from supervisor.script.output import OutputParser, Parsed, pattern_problem
 from supervisor.script.scanner import ExitWatch, FileScanner
 from supervisor.script.steps import NameStep, OutputStep, SidecarStep
-from supervisor.script.tap import OutputTap
+from supervisor.script.tap import DUPLICATE_WINDOW_S, OutputTap
 from supervisor.script.template import ArgTemplate, TemplateError
 from supervisor.script.watch import ScriptWatcher
 from supervisor.spool import SpoolReader, SpoolWriter
@@ -271,6 +271,34 @@ def test_the_tap_spools_queues_and_times_each_step(tmp_path):
     tap.close()
     points, _ = SpoolReader(tmp_path / "0.jsonl").pending(10)
     assert points == [("loss", 4.1, 101000, 41), ("loss", 4.2, 102000, 42)]
+
+
+def test_a_step_every_rank_prints_is_counted_once_and_a_restarts_reprint_again(tmp_path, caplog):
+    """Two ranks that both print each step (a script that does not guard its prints), lines interleaved and one
+    rank a line behind: every step reaches the spool, the detectors and the timeline once, from the first line
+    read; an eval line at the same step (other metric names) still counts; a step printed again after the
+    window (the script's own restart) counts again."""
+    clock = Clock()
+    eval_line = r"step (?P<step>\d+): val (?P<val_loss>\S+)"
+    tap = OutputTap(OutputParser([NANOGPT, eval_line]), spool=SpoolWriter(tmp_path / "0.jsonl"), clock=clock)
+    printed = ["iter 1: loss 1.0", "iter 2: loss 2.0", "iter 1: loss 1.5", "iter 3: loss 3.0", "iter 2: loss 2.5",
+               "step 3: val 0.9", "iter 3: loss 3.5"]  # fmt: skip
+    for line in printed:
+        clock.now += 0.01
+        tap("stdout", line)
+    taken = [(r.parsed.step, r.parsed.metrics) for r in tap.take()]
+    assert taken == [(1, {"loss": 1.0}), (2, {"loss": 2.0}), (3, {"loss": 3.0}), (3, {"val_loss": 0.9})]
+    assert tap.duplicates == 3 and tap.metrics_at(3) == {"loss": 3.0, "val_loss": 0.9}
+    assert caplog.text.count("printed again with the same metrics (loss)") == 1  # said once, with the fix
+    assert "print metrics on rank 0 only" in caplog.text
+    clock.now += DUPLICATE_WINDOW_S + 1
+    tap("stdout", "iter 2: loss 2.25")  # the script restarted from step 2 by itself: a new point
+    assert [(r.parsed.step, r.parsed.metrics) for r in tap.take()] == [(2, {"loss": 2.25})]
+    tap.close()
+    points, _ = SpoolReader(tmp_path / "0.jsonl").pending(10)
+    assert [(name, value, step) for name, value, _, step in points] == [
+        ("loss", 1.0, 1), ("loss", 2.0, 2), ("loss", 3.0, 3), ("val_loss", 0.9, 3), ("loss", 2.25, 2)
+    ]  # fmt: skip
 
 
 def test_the_watcher_sees_what_was_printed_after_its_last_poll(tmp_path):

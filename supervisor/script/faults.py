@@ -4,7 +4,9 @@
 each fault itself. An unmodified script ignores it, so in script mode the supervisor fires the faults that
 come from outside a process anyway, when the script's output reaches the fault's step: `kill` SIGKILLs its
 process group (a node vanishing), `term` SIGTERMs it (a preemption), `hang` SIGSTOPs it (alive, silent, no
-progress; it is continued when the supervisor stops it, so that its stop signal lands). Each fires once per
+progress; it is continued when the supervisor stops it, so that its stop signal lands). The signal reaches
+the process group of every process of the segment: torchrun starts each rank in a session of its own, and a
+machine that vanishes or is preempted takes all of them. Each fires once per
 lineage, recorded in the same fired file the training side uses before it fires. The faults that must come
 from inside the process (`nan`, `spike`, `hw`, `oom`, `exc`) cannot be fired on a script; they are named in a
 warning and never fire, so the drill reports them as not seen. The step comes from the output patterns: with
@@ -20,6 +22,8 @@ import signal
 import threading
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from supervisor.launcher import Launcher, LaunchSpec, OnLine, SegmentHandle
 from supervisor.runtime.faults import Fault
@@ -47,16 +51,32 @@ class ExternalFaults:
         self.frozen = False
         self._lock = threading.Lock()
         self._pgid: int | None = None
+        self._stopped: set[int] = set()  # the process groups a `hang` stopped
         self._ready = threading.Event()
         self._fired: set[str] | None = None
 
     def attach(self, handle: SegmentHandle) -> None:
-        """The segment is running: its process group is the target."""
+        """The segment is running: its process group (and its descendants') is the target."""
         pid = handle.details().get("pid")
         if pid is None:
             log.warning("fault drill: launcher gives no process id; external faults cannot fire")
         self._pgid = pid
         self._ready.set()
+
+    def _groups(self) -> set[int]:
+        """The segment's process group and those of its descendants (torchrun's ranks have their own)."""
+        assert self._pgid is not None
+        groups = {self._pgid}
+        try:
+            children = psutil.Process(self._pgid).children(recursive=True)
+        except psutil.Error:
+            return groups
+        for child in children:
+            try:
+                groups.add(os.getpgid(child.pid))
+            except ProcessLookupError:
+                pass
+        return groups
 
     def on_step(self, step: int) -> None:
         """The script printed `step`: fire the first due fault that has not fired in this lineage."""
@@ -76,10 +96,14 @@ class ExternalFaults:
                 SIGNALS[due.kind].name,
             )
             self.frozen = self.frozen or due.kind == "hang"
-            try:
-                os.killpg(self._pgid, SIGNALS[due.kind])
-            except (ProcessLookupError, PermissionError) as exc:
-                log.warning("fault drill: %s did not reach the script: %s", due.key, exc)
+            groups = self._groups()
+            if due.kind == "hang":
+                self._stopped |= groups
+            for group in sorted(groups):
+                try:
+                    os.killpg(group, SIGNALS[due.kind])
+                except (ProcessLookupError, PermissionError) as exc:
+                    log.warning("fault drill: %s did not reach process group %d: %s", due.key, group, exc)
 
     def _read_fired(self) -> set[str]:
         if self._fired is None:
@@ -93,10 +117,12 @@ class ExternalFaults:
         """Continue a process group a `hang` stopped, so that a signal sent to stop it is delivered."""
         if self.frozen and self._pgid is not None:
             self.frozen = False
-            try:
-                os.killpg(self._pgid, signal.SIGCONT)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for group in sorted(self._stopped or {self._pgid}):
+                try:
+                    os.killpg(group, signal.SIGCONT)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self._stopped = set()
 
 
 class FaultLauncher:

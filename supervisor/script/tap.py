@@ -13,6 +13,7 @@ import bisect
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,11 @@ log = logging.getLogger("rollback_supervisor.script")
 
 #: Steps kept on the timeline; the oldest half goes when it is full (files are labelled within seconds).
 TIMELINE = 1 << 16
+#: A line with the step and metric names of one read less than this many seconds before is another rank's
+#: print of the same step (the ranks of a DDP job step together, within milliseconds of each other), not a new
+#: point. A script that restarted itself and printed a step again gets there only after its start-up and its
+#: steps since, which takes longer.
+DUPLICATE_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,10 @@ class OutputTap:
         self._latest: dict[str, float] = {}
         self._metric_steps: list[int] = []  # the step of each line that printed metrics, in reading order
         self._metrics: list[dict[str, float]] = []
+        self._recent: OrderedDict[tuple[int, frozenset[str]], float] = (
+            OrderedDict()
+        )  # (step, names) -> read at
+        self.duplicates = 0  # lines dropped as another rank's print of a step already read
 
     def __call__(self, stream: str, line: str) -> None:
         parsed = self.parser.parse(line)
@@ -69,9 +79,12 @@ class OutputTap:
             self.then(stream, line)
 
     def read(self, parsed: Parsed) -> None:
-        """Take one parsed line (what `__call__` does with a line that matched)."""
+        """Take one parsed line (what `__call__` does with a line that matched); another rank's print of a step
+        already read (`DUPLICATE_WINDOW_S`) is dropped, so a job whose every rank prints counts each step once."""
         with self._lock:
             now = self._clock()
+            if parsed.metrics and self._duplicate(parsed, now):
+                return
             self._queue.append(Reading(now, parsed))
             if len(self._times) >= TIMELINE:
                 del self._times[: TIMELINE // 2], self._steps[: TIMELINE // 2]
@@ -88,6 +101,26 @@ class OutputTap:
                 self.spool.send([(k, v, ms, parsed.step) for k, v in parsed.metrics.items()])
         if self.on_step is not None:
             self.on_step(parsed.step)
+
+    def _duplicate(self, parsed: Parsed, now: float) -> bool:
+        """Whether a line with this step and these metric names was read within the window (lock held)."""
+        recent = self._recent
+        while recent and next(iter(recent.values())) < now - DUPLICATE_WINDOW_S:
+            recent.popitem(last=False)
+        key = (parsed.step, frozenset(parsed.metrics))
+        if key not in recent:
+            recent[key] = now
+            return False
+        self.duplicates += 1
+        if self.duplicates == 1:
+            log.warning(
+                "step %d was printed again with the same metrics (%s) by another process of the job, seconds "
+                "apart: only the first line of each step counts; print metrics on rank 0 only (as nanoGPT "
+                "does) so that they are rank 0's",
+                parsed.step,
+                ", ".join(sorted(parsed.metrics)),
+            )
+        return True
 
     def take(self) -> list[Reading]:
         """The lines parsed since the last call, oldest first."""
