@@ -2,16 +2,15 @@
 
 accelerate gives each rank a `BatchSamplerShard` of the Trainer's seeded shuffled order (256 windows at batch
 8 over 2 ranks: an epoch is 16 steps); the callback follows each rank's share of it. Checkpoints every 10 steps,
-written synchronously by rank 0 with every rank's RNG streams and data position. Four lineages:
+written synchronously by rank 0 with every rank's RNG streams and data position. Three lineages:
 
 - the reference, uninterrupted;
 - a NaN at step 13, relaunched from checkpoint 10 without skip or LR change (the Trainer cannot be rewound in
   process, see docs/integrations.md), then a SIGKILL of rank 1 at step 22 and a relaunch from checkpoint 20:
   every tensor of the final checkpoint equals the reference's, and every logged loss, bit for bit;
-- a NaN relaunched with 5 batches skipped at half the LR: every rank skipped 5 batches of its share, and each
-  step after the target trains on the reference's batch 5 further on, at exactly half its LR;
-- on two torchrun nodes of one rank each: node 1 lost whole (agent and rank), both nodes relaunched from one
-  commit, bit-identical to the one-node reference.
+- on two torchrun nodes of one rank each: a NaN relaunched with 5 batches skipped at half the LR, then node 1
+  lost whole (agent and rank) and both nodes relaunched from one commit: every rank skipped 5 batches of its
+  share, and each step after the target trains on the reference's batch 5 further on, at exactly half its LR.
 """
 
 from __future__ import annotations
@@ -122,15 +121,25 @@ def test_a_nan_relaunch_and_a_sigkill_of_rank_1_resume_bit_identically(reference
     assert_equal_tree(clean, final)
 
 
-def test_a_nan_is_relaunched_skipping_5_batches_on_every_rank_at_half_the_lr(reference, work):
+def test_a_nan_relaunched_with_a_skip_then_a_lost_node_resume_on_every_rank_exactly(reference, work):
+    """Two torchrun nodes of one rank each (c10d on 127.0.0.1). A NaN at step 13: every rank stops (exit 76) and
+    the group is relaunched from checkpoint 10 skipping 5 batches at half the LR; then rank 1 stalls at step 22
+    and its whole node (agent and rank) is SIGKILLed: one event (a lost node), one decision (resume), both
+    nodes relaunched from checkpoint 20 of the new branch. Every step after the target trains on the
+    reference's batch 5 further on, across both relaunches, at exactly half its LR."""
     _, _, clean = reference
-    rec, final = supervise(work, "skip", faults="nan@13")
+    rec, final = supervise(work, "nodes", faults="nan@13,hang@22:rank1", nodes=2, kill_node_after=20)
     assert rec["status"] == "finished", rec["segments"][-1]
-    first, second = rec["segments"]
-    assert first["returncode"] == 76 and first["event"]["type"] == "non_finite"
-    restore = second["restore"]
+    nan, lost, last = rec["segments"]
+    assert nan["returncode"] == 76 and nan["event"]["type"] == "non_finite"
+    restore = lost["restore"]
     assert restore["checkpoint_id"].startswith("0000000010-")
     assert (restore["skip_batches"], restore["lr_scale"], restore["rollback"]) == (5, 0.5, True)
+    event = lost["event"]
+    assert event["type"] == "hardware_fault" and event["evidence"]["kind"] == "node_lost", event
+    assert event["evidence"]["node"] == 1 and lost["decision"]["action"] == "resume"
+    assert not last["event"] and not lost["in_process"] and not last["in_process"]  # one event, one decision
+    assert last["restore"]["checkpoint_id"].startswith("0000000020-") and last["start_step"] == 20
     result = run(rec)
     for rank in (0, 1):  # each rank skipped 5 batches of its own share
         assert live_series(result, f"rollback.rank{rank}.batches_skipped")[10] == 5
@@ -147,21 +156,3 @@ def test_a_nan_is_relaunched_skipping_5_batches_on_every_rank_at_half_the_lr(ref
     assert [lr[s] for s in range(11, STEPS + 1)] == [
         clean["learning_rate"][s] * 0.5 for s in range(11, STEPS + 1)
     ]
-
-
-def test_the_loss_of_a_whole_node_relaunches_both_nodes_from_one_commit_bit_identically(reference, work):
-    """Two torchrun nodes of one rank each (c10d on 127.0.0.1): rank 1 stalls at step 22, then its whole node
-    (agent and rank) is SIGKILLed. One event (a lost node), one decision (resume), both nodes relaunched from
-    checkpoint 20; the finish equals the one-node reference of the same two ranks, bit for bit."""
-    _, clean, series = reference
-    rec, final = supervise(work, "nodes", faults="hang@22:rank1", nodes=2, kill_node_after=20)
-    assert rec["status"] == "finished", rec["segments"][-1]
-    lost, last = rec["segments"]
-    event = lost["event"]
-    assert event["type"] == "hardware_fault" and event["evidence"]["kind"] == "node_lost", event
-    assert event["evidence"]["node"] == 1 and lost["decision"]["action"] == "resume"
-    assert not last["event"] and not lost["in_process"] and not last["in_process"]  # one event, one decision
-    assert last["restore"]["checkpoint_id"].startswith("0000000020-") and last["start_step"] == 20
-    loss = live_series(run(rec), "loss")
-    assert [loss[s] for s in range(1, STEPS + 1)] == [series["loss"][s] for s in range(1, STEPS + 1)]
-    assert_equal_tree(clean, final)
