@@ -22,13 +22,9 @@ from typing import Any
 
 import pytest
 
-from policies import load_policy
-from supervisor.launcher import TorchrunLauncher, TorchrunOptions
-from supervisor.launcher.slurm import launcher_from_policy
-from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.conftest import REPO
-from tests.flowkit import live_series, stored_state
-from tests.nodekit import NodeKiller, two_nodes
+from tests.flowkit import live_series
+from tests.nodekit import run_of, supervise_lineage
 from tests.test_standby_torchrun import assert_equal_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,49 +43,21 @@ def supervise(
     edits: dict[str, str] | None = None,
     nodes: int = 1,
     kill_node_after: int | None = None,
-):
-    """One lineage of the example under torchrun (2 ranks: one node, or `nodes=2` of one rank each, see
-    tests/nodekit.py) and hf-sync.yaml with `edits` (old -> new text): its record and everything its final
-    checkpoint holds. With `kill_node_after`, node 1 is killed whole once a drill `hang` fault fired on rank 1
-    after that step's checkpoint committed."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One lineage of the example on 2 ranks (one torchrun node, or `nodes=2` of one rank each) under
+    hf-sync.yaml with `edits` (old -> new text); see tests.nodekit.supervise_lineage."""
     text = POLICY.read_text()
     for old, new in (edits or {}).items():
         assert old in text, old
         text = text.replace(old, new)
-    if nodes == 2:
-        text += two_nodes()
-    path = work / f"{lineage}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
-    if nodes == 2:
-        launcher: Any = launcher_from_policy(load_policy(path).launcher, work)
-    else:
-        launcher = TorchrunLauncher(TorchrunOptions(nproc_per_node=2))
-    options = RunOptions(
-        command=(sys.executable, HF, "--steps", str(STEPS), "--cpu", "--threads", "1"),
-        policy_path=str(path),
-        lineage=lineage,
-        workdir=work,
-        stop_grace_seconds=20,
-        env=env,
-        launcher=launcher,
-        max_segments=4,
+    command = (sys.executable, HF, "--steps", str(STEPS), "--cpu", "--threads", "1")
+    launcher = "nodes" if nodes == 2 else "torchrun"
+    return supervise_lineage(
+        work, lineage, command, text, faults=faults, launcher=launcher, kill_node_after=kill_node_after
     )
-    killer = None
-    if kill_node_after is not None:
-        hang = next(f for f in faults.split(",") if f.startswith("hang@"))
-        killer = NodeKiller(launcher, work, hang_key=hang, rank=1, step=kill_node_after).start()
-    with LineageRunner(options, sleep=lambda s: None) as runner:
-        rec = runner.supervise().to_dict()
-    if killer is not None:
-        killed = killer.join()
-        assert "error" not in killed and killed["ranks"], killed
-    return rec, stored_state(runner.layout.checkpoints, rec["final_checkpoint"])
 
 
-def run(rec: dict[str, Any]) -> dict[str, Any]:
-    return {"tracking_uri": rec["mlflow"]["tracking_uri"], "mlflow_run_id": rec["mlflow"]["run_id"]}
+run = run_of
 
 
 @pytest.fixture(scope="module")

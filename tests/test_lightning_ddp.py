@@ -23,13 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from policies import load_policy
-from supervisor.launcher import TorchrunLauncher, TorchrunOptions
-from supervisor.launcher.slurm import launcher_from_policy
-from supervisor.orchestrator import LineageRunner, RunOptions
 from tests.conftest import REPO
-from tests.flowkit import live_series, stored_state
-from tests.nodekit import NodeKiller, two_nodes
+from tests.flowkit import live_series
+from tests.nodekit import run_of, supervise_lineage
 from tests.test_standby_torchrun import assert_equal_tree
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -58,54 +54,27 @@ def supervise(
     kill_node_after: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One lineage under tests/data/policies/lightning.yaml, checkpointing every 6 steps synchronously, with
-    `edits` (old text -> new) applied to it: its record and (`stored`) everything its final checkpoint holds.
-
-    `launcher`: "lightning" (its own launcher), "torchrun" (one node of 2 ranks), or "nodes" (2 torchrun
-    nodes of 1 rank, tests/nodekit.py); with `kill_node_after`, node 1 is killed whole once a drill `hang`
-    fault fired on rank 1 after that step's checkpoint committed."""
+    `edits` (old text -> new) applied to it. `launcher`: "lightning" (its own launcher), "torchrun" (one node
+    of 2 ranks) or "nodes" (2 torchrun nodes of 1 rank); see tests.nodekit.supervise_lineage."""
     text = (
         POLICY.read_text().replace("every_steps: 8", "every_steps: 6").replace("async: true", "async: false")
     )
     for old, new in (edits or {}).items():
         assert old in text, old
         text = text.replace(old, new)
-    nodes = 2 if launcher == "nodes" else 1
-    if nodes == 2:
-        text += two_nodes()
-    path = work / f"{lineage}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    env = {"OMP_NUM_THREADS": "1", **({"ROLLBACK_SUPERVISOR_FAULTS": faults} if faults else {})}
-    chosen: Any = None
-    if launcher == "torchrun":
-        chosen = TorchrunLauncher(TorchrunOptions(nproc_per_node=2))
-    elif launcher == "nodes":
-        chosen = launcher_from_policy(load_policy(path).launcher, work)
-    options = RunOptions(
-        command=command(strategy, nodes),
-        policy_path=str(path),
-        lineage=lineage,
-        workdir=work,
-        stop_grace_seconds=20,
-        env=env,
-        launcher=chosen,
-        max_segments=4,
+    return supervise_lineage(
+        work,
+        lineage,
+        command(strategy, 2 if launcher == "nodes" else 1),
+        text,
+        faults=faults,
+        launcher="own" if launcher == "lightning" else launcher,
+        kill_node_after=kill_node_after,
+        stored=stored,
     )
-    killer = None
-    if kill_node_after is not None:
-        hang = next(f for f in faults.split(",") if f.startswith("hang@"))
-        killer = NodeKiller(chosen, work, hang_key=hang, rank=1, step=kill_node_after).start()
-    with LineageRunner(options, sleep=lambda s: None) as runner:
-        rec = runner.supervise().to_dict()
-    if killer is not None:
-        killed = killer.join()
-        assert "error" not in killed and killed["ranks"], killed
-    final = stored_state(runner.layout.checkpoints, rec["final_checkpoint"]) if stored else {}
-    return rec, final
 
 
-def run(rec: dict[str, Any]) -> dict[str, Any]:
-    return {"tracking_uri": rec["mlflow"]["tracking_uri"], "mlflow_run_id": rec["mlflow"]["run_id"]}
+run = run_of
 
 
 @pytest.fixture(scope="module")
