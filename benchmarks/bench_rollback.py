@@ -50,6 +50,13 @@ def main(
         help="Time budget of the --overhead-steps phase, from its launch: when it runs out the training's "
         "process group is killed and the steps done so far are reported (timed_out: true); 0: no budget.",
     ),
+    world_size: int = typer.Option(
+        1,
+        "--world-size",
+        min=1,
+        help="With --integration lightning or transformers: every child on this many torchrun ranks (DDP, "
+        "gloo), our relaunch against the framework's own resume at the same world size.",
+    ),
     integration: str | None = typer.Option(
         None,
         "--integration",
@@ -65,9 +72,11 @@ def main(
     if integration is not None:
         from benchmarks.integration import check
 
-        size = check(integration, size, device)
+        size = check(integration, size, device, world_size)
         planned = ["integration"]
     else:
+        if world_size != 1:
+            raise BenchError("--world-size: only with --integration lightning or transformers")
         size = check_size(size or "100M")
         batch_size = batch_size or 1
         if device not in ("cpu", "cuda"):
@@ -97,7 +106,9 @@ def main(
         if integration is not None:
             from benchmarks.integration import run as run_integration
 
-            result = run_integration(scratch, integration, size, reps, batch_size, threads, say=say)
+            result = run_integration(
+                scratch, integration, size, reps, batch_size, threads, say=say, world_size=world_size
+            )
             phase_done("integration", result)
         else:
             from benchmarks.rollback import run

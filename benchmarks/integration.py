@@ -48,6 +48,10 @@ FRAMEWORK_RESUME = {
     "transformers": "trainer.train(resume_from_checkpoint=<save_strategy='steps' checkpoint-N directory>)",
     "script": "python tests/scripts/train_mlp.py --init_from=resume (its own torch.load of out/ckpt.pt)",
 }
+STANDBY_NOT_MEASURED = (
+    "at world size > 1 the standby is a parked torchrun agent with its ranks (TorchrunStandbyLauncher); this "
+    "benchmark parks single processes only, so the standby path is not measured here yet"
+)
 NO_IN_PROCESS = {
     "transformers": "the HF Trainer fixes its epoch and step ranges before on_train_begin and holds the epoch's "
     "iterator inside its loop, so a callback cannot rewind it: an anomaly exits 76 and the supervisor relaunches "
@@ -57,10 +61,17 @@ NO_IN_PROCESS = {
 }
 
 
-def check(integration: str, size: str | None, device: str) -> str | None:
+def check(integration: str, size: str | None, device: str, world_size: int = 1) -> str | None:
     """The size to run at (None for the script, which runs as it is); refuses what this cannot measure."""
     if integration not in CHOICES:
         raise BenchError(f"--integration: expected one of {', '.join(CHOICES)}, got {integration!r}")
+    if world_size < 1:
+        raise BenchError(f"--world-size: expected 1 or more processes, got {world_size}")
+    if world_size > 1 and integration == "script":
+        raise BenchError(
+            f"--world-size {world_size} with --integration script: the script runs as one process here "
+            "(tests/test_script_mode_torchrun.py runs its DDP form); leave --world-size at 1"
+        )
     if device != "cpu":
         raise BenchError(
             f"--device {device} with --integration: the integration examples train on the CPU here; leave "
@@ -94,8 +105,11 @@ def _child(cmd: list[str], log: Path, env: dict[str, str], what: str, cwd: Path)
 
 
 def _child_cmd(mode: str, out: Path, w: Workload, *extra: str) -> list[str]:
+    launch = [sys.executable]
+    if w.world_size > 1:  # torchrun starts the ranks; rank 0 writes `out`
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w.world_size}"]
     return [
-        sys.executable,
+        *launch,
         "-m",
         "benchmarks.integration_child",
         mode,
@@ -261,13 +275,17 @@ def run(
     batch_size: int | None = None,
     threads: int | None = None,
     say: Callable[[str], None] = lambda _: None,
+    world_size: int = 1,
 ) -> dict[str, Any]:
-    """Prepare both checkpoints, time the in-process path (Lightning), then relaunch and framework interleaved."""
+    """Prepare both checkpoints, time the in-process path (Lightning), then relaunch and framework interleaved.
+
+    With `world_size` > 1 every child runs on that many torchrun ranks; the standby is not measured there
+    (`standby.measured: false` says why)."""
     load_start = os.getloadavg()[0]
     workdir.mkdir(parents=True, exist_ok=True)
     if integration == "script":
         return run_script(workdir, reps, threads, say, load_start)
-    w = Workload(integration, size, batch_size, threads)
+    w = Workload(integration, size, batch_size, threads, world_size)
     run_id = _create_run(workdir, integration)
     say(f"{integration}: training to step {AT_STEP} at size {size}, both checkpoints")
     prep = prepare(workdir, w, run_id)
@@ -276,9 +294,10 @@ def run(
         say(f"{integration}: in process, {reps} anomalies")
         inproc = in_process(workdir, w, run_id, reps)
     relaunches, frameworks, standbys = [], [], []
+    paths = ("relaunch", "standby", "framework") if world_size == 1 else ("relaunch", "framework")
     with standby_launcher(w) as launcher:
         for i in range(reps):  # interleaved, each going first every other time
-            for path in ("relaunch", "standby", "framework")[:: 1 if i % 2 == 0 else -1]:
+            for path in paths[:: 1 if i % 2 == 0 else -1]:
                 say(f"{integration}: {path} {i + 1}/{reps}")
                 if path == "relaunch":
                     relaunches.append(relaunch(workdir, w, prep, run_id, i))
@@ -298,6 +317,7 @@ def run(
         batch_size=batch_size,
         threads=threads,
         load_start=load_start,
+        world_size=world_size,
     )
 
 
@@ -491,6 +511,7 @@ def summarize(
         "batch_size": info["batch_size"],
         "threads": info["threads"],
         "device": "cpu",
+        "world_size": info.get("world_size", 1),
         "reps": info["reps"],
         "resumed_at_step": prep["checkpoint_step"],
         **full,
@@ -516,6 +537,11 @@ def summarize(
         **(
             _standby_summary(standbys, full["framework_resume_s"], ready["framework_resume_s"])
             if standbys
+            else {}
+        ),
+        **(
+            {"standby": {"measured": False, "reason": STANDBY_NOT_MEASURED}}
+            if info.get("world_size", 1) > 1
             else {}
         ),
     }

@@ -15,6 +15,10 @@ the end of the anomalous step (the detector runs right after it) to the end of t
 `relaunch`: a fresh process on a plan naming the prepared checkpoint, as the supervisor would start it;
 wall-clock marks at import, build, the fit/train call, the callback's restore, the first step's start and end.
 
+With `--world-size N` (the parent's) every child is started by torchrun with N ranks (Lightning: DDP with
+a plain loader, which Lightning gives a DistributedSampler; the HF Trainer: DDP through accelerate), and
+rank 0 writes the results.
+
 `framework`: a fresh process doing the framework's own resume from its own checkpoint, with the supervisor
 not imported at all (its callback is replaced by a clock): `trainer.fit(model, ckpt_path=...)`,
 `trainer.train(resume_from_checkpoint=...)`. The same marks, up to the end of the first resumed step.
@@ -94,11 +98,16 @@ class Workload:
     size: str = DEFAULT_SIZE
     batch_size: int | None = None  # None: the example's default
     threads: int | None = None
+    world_size: int = 1  # > 1: every child is started by torchrun with this many ranks (DDP, gloo)
 
     def example_args(self) -> list[str]:
         out = ["--steps", str(STEPS)]
         if self.integration == "lightning":
             out += ["--val-every", str(10 * STEPS)]  # no validation inside the measured steps
+            if (
+                self.world_size > 1
+            ):  # DDP over the ranks torchrun started, each reading its share of a plain loader
+                out += ["--devices", str(self.world_size), "--strategy", "ddp", "--plain-loader"]
         else:
             out += ["--cpu"]  # as the Lightning example does (accelerator="cpu"), on any machine
         if self.batch_size:
@@ -561,8 +570,21 @@ def main(argv: list[str] | None = None) -> int:
         result = relaunch(a.integration, a.size, rest)
     else:
         result = framework(a.integration, a.size, a.checkpoint, rest)
-    a.out.write_text(json.dumps(result, indent=2))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0's clocks and results
+        a.out.write_text(json.dumps(result, indent=2))
+    _leave_together()
     return 0
+
+
+def _leave_together() -> None:
+    """Under torchrun, leave the process group together once the clocks are read: a rank whose gloo pair is
+    torn down by a peer that exited first can abort ("terminate called without an active exception"). The
+    HF Trainer leaves its group up after train(); our callback's own group is already gone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -135,6 +135,8 @@ def test_each_anomaly_fires_after_the_previous_rollback():
         ),
         (["--integration", "lightning", "--size", "1T"], "--size: expected one of tiny, small, 10M, 100M"),
         (["--integration", "transformers", "--device", "cuda"], "--device cuda with --integration"),
+        (["--integration", "script", "--world-size", "2"], "--world-size 2 with --integration script"),
+        (["--world-size", "2"], "--world-size: only with --integration lightning or transformers"),
     ],
 )
 def test_option_mistakes_are_user_errors(argv: list[str], message: str, capsys, tmp_path: Path):
@@ -160,15 +162,28 @@ def positive_figures(tree: Any, path: str = "") -> list[str]:
     return bad
 
 
+def test_at_world_size_2_lightning_runs_ddp_over_a_plain_loader_and_the_trainer_as_it_is():
+    from benchmarks.integration_child import Workload
+
+    lightning = Workload("lightning", "tiny", world_size=2).example_args()
+    assert lightning[-5:] == ["--devices", "2", "--strategy", "ddp", "--plain-loader"]
+    assert "--devices" not in Workload("lightning", "tiny").example_args()
+    assert Workload("transformers", "tiny", world_size=2).example_args() == ["--steps", "1000", "--cpu"]
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.parametrize("integration", ["lightning", "transformers", "script"])
-def test_tiny_run_through_the_cli_writes_every_key(integration: str, tmp_path: Path):
+@pytest.mark.parametrize(
+    ("integration", "world_size"), [("lightning", 1), ("transformers", 2), ("script", 1)]
+)
+def test_tiny_run_through_the_cli_writes_every_key(integration: str, world_size: int, tmp_path: Path):
+    """The HF Trainer's case runs on 2 torchrun ranks (DDP): our relaunch and its own resume of the group."""
     out = tmp_path / f"rollback-integration-{integration}.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     exe = Path(sys.executable).with_name("rollback-supervisor")
     size = [] if integration == "script" else ["--size", "tiny"]  # the script runs as it is
     cmd = [str(exe), "bench", "rollback", "--integration", integration, *size, "--reps", "1"]
+    cmd += ["--world-size", str(world_size)]
     cmd += ["--json", str(out), "--workdir", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -197,6 +212,11 @@ def test_tiny_run_through_the_cli_writes_every_key(integration: str, tmp_path: P
     }
     assert keys <= result.keys()
     assert result["integration"] == integration and result["resumed_at_step"] == AT_STEP
+    assert result["world_size"] == world_size
+    if world_size > 1:  # not parked at world size 2 yet: said so, not left out silently
+        assert result["standby"] == {"measured": False, "reason": result["standby"]["reason"]}
+        assert "TorchrunStandbyLauncher" in result["standby"]["reason"]
+        del result["standby"]
     assert set(result["targets"]) == {
         "relaunch_s/framework_resume_s",
         "relaunch_s/framework_resume_s (step excluded)",

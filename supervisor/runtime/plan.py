@@ -89,10 +89,11 @@ class LaunchPlan:
         return cls(**data)
 
     def write(self, path: Path) -> Path:
-        """Write atomically (temp file + rename)."""
+        """Write atomically (temp file + rename); processes writing the same plan at once (the ranks of a
+        stand-alone job) each use a temp file of their own."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2))
         os.replace(tmp, path)
         return path
