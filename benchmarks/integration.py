@@ -48,10 +48,6 @@ FRAMEWORK_RESUME = {
     "transformers": "trainer.train(resume_from_checkpoint=<save_strategy='steps' checkpoint-N directory>)",
     "script": "python tests/scripts/train_mlp.py --init_from=resume (its own torch.load of out/ckpt.pt)",
 }
-STANDBY_NOT_MEASURED = (
-    "at world size > 1 the standby is a parked torchrun agent with its ranks (TorchrunStandbyLauncher); this "
-    "benchmark parks single processes only, so the standby path is not measured here yet"
-)
 NO_IN_PROCESS = {
     "transformers": "the HF Trainer fixes its epoch and step ranges before on_train_begin and holds the epoch's "
     "iterator inside its loop, so a callback cannot rewind it: an anomaly exits 76 and the supervisor relaunches "
@@ -104,9 +100,11 @@ def _child(cmd: list[str], log: Path, env: dict[str, str], what: str, cwd: Path)
         raise BenchRunError(f"{what} exited {proc.returncode}; the end of {log}:\n{tail}")
 
 
-def _child_cmd(mode: str, out: Path, w: Workload, *extra: str) -> list[str]:
+def _child_cmd(mode: str, out: Path, w: Workload, *extra: str, torchrun: bool = True) -> list[str]:
+    """The child's command; at world size > 1 under torchrun, unless a torchrun launcher adds it (`torchrun`
+    False: the standby's)."""
     launch = [sys.executable]
-    if w.world_size > 1:  # torchrun starts the ranks; rank 0 writes `out`
+    if w.world_size > 1 and torchrun:  # torchrun starts the ranks; rank 0 writes `out`
         launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w.world_size}"]
     return [
         *launch,
@@ -188,7 +186,15 @@ def standby_launcher(w: Workload) -> Any:
     from supervisor.launcher.standby_child import top_level_imports
 
     source = (REPO / "examples" / EXAMPLES[w.integration]).read_text()
-    return StandbyLauncher(StandbyOptions(imports=tuple(top_level_imports(source)), delay_seconds=3600.0))
+    options = StandbyOptions(imports=tuple(top_level_imports(source)), delay_seconds=3600.0)
+    if w.world_size > 1:  # a parked torchrun agent with its ranks, as `relaunch: {standby: true}` parks it
+        from supervisor.launcher import TorchrunLauncher, TorchrunOptions
+        from supervisor.launcher.standby_torchrun import TorchrunStandbyLauncher
+
+        return TorchrunStandbyLauncher(
+            options, TorchrunLauncher(TorchrunOptions(nproc_per_node=w.world_size))
+        )
+    return StandbyLauncher(options)
 
 
 def relaunch_standby(
@@ -206,11 +212,12 @@ def relaunch_standby(
     )
     out = workdir / f"standby-{i}.json"
     env = child_env(**{PLAN_ENV: str(plan)})
-    spec = LaunchSpec(tuple(_child_cmd("relaunch", out, w)), env, cwd=str(workdir), inherit_env=False)
+    command = tuple(_child_cmd("relaunch", out, w, torchrun=False))
+    spec = LaunchSpec(command, env, cwd=str(workdir), inherit_env=False)
     parked = launcher.park_for(spec)
     if parked is None or not parked.wait_ready(CHILD_TIMEOUT_S):
         raise BenchRunError(f"the standby did not park (pid {parked.pid if parked else None})")
-    rss = parked.rss_bytes()
+    rss = _parked_rss(parked)
     lines: list[str] = []
     started = time.time()
     handle = launcher.start(spec, lambda stream, line: lines.append(f"{stream}: {line}"))
@@ -233,6 +240,22 @@ def relaunch_standby(
     # The plan sent -> the command runs as __main__: what a cold start spends in the interpreter and imports.
     out_phases["activate_s"] = out_phases.pop("interpreter_s")
     return {**out_phases, "parked_imports_s": parked.report["imports_s"], "parked_rss_bytes": rss}
+
+
+def _parked_rss(parked: Any) -> int | None:
+    """The parked process's resident memory; for a torchrun agent, the agent's and every rank's together."""
+    import psutil
+
+    ranks = (parked.report or {}).get("ranks") or []
+    if not ranks:
+        return parked.rss_bytes()
+    total = 0
+    for pid in [parked.pid, *ranks]:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            return None
+    return total
 
 
 def framework(workdir: Path, w: Workload, prep: dict[str, Any], i: int) -> dict[str, Any]:
@@ -279,8 +302,8 @@ def run(
 ) -> dict[str, Any]:
     """Prepare both checkpoints, time the in-process path (Lightning), then relaunch and framework interleaved.
 
-    With `world_size` > 1 every child runs on that many torchrun ranks; the standby is not measured there
-    (`standby.measured: false` says why)."""
+    With `world_size` > 1 every child runs on that many torchrun ranks, and the standby is a parked torchrun
+    agent with its ranks."""
     load_start = os.getloadavg()[0]
     workdir.mkdir(parents=True, exist_ok=True)
     if integration == "script":
@@ -294,10 +317,9 @@ def run(
         say(f"{integration}: in process, {reps} anomalies")
         inproc = in_process(workdir, w, run_id, reps)
     relaunches, frameworks, standbys = [], [], []
-    paths = ("relaunch", "standby", "framework") if world_size == 1 else ("relaunch", "framework")
     with standby_launcher(w) as launcher:
         for i in range(reps):  # interleaved, each going first every other time
-            for path in paths[:: 1 if i % 2 == 0 else -1]:
+            for path in ("relaunch", "standby", "framework")[:: 1 if i % 2 == 0 else -1]:
                 say(f"{integration}: {path} {i + 1}/{reps}")
                 if path == "relaunch":
                     relaunches.append(relaunch(workdir, w, prep, run_id, i))
@@ -537,11 +559,6 @@ def summarize(
         **(
             _standby_summary(standbys, full["framework_resume_s"], ready["framework_resume_s"])
             if standbys
-            else {}
-        ),
-        **(
-            {"standby": {"measured": False, "reason": STANDBY_NOT_MEASURED}}
-            if info.get("world_size", 1) > 1
             else {}
         ),
     }

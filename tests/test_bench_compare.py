@@ -322,3 +322,16 @@ def test_end_to_end_head_commit_against_the_working_tree(tmp_path):
         assert report["committed"][bench]["found"] is False  # nothing is committed at this size
     assert report["settings"]["rounds"] == 1
     assert set(report["machine"]["load_average_1m"]) == {"start", "end"}
+
+
+def test_the_rollback_bench_skips_its_cpu_phase_where_the_tree_has_the_option(tmp_path):
+    """No compared figure comes from `--overhead-steps`' phase; a base from before the option never gets it."""
+    from benchmarks.compare_commits import Settings, bench_args
+
+    settings = Settings(size="tiny", params="2M", reps=2)
+    assert bench_args("rollback", settings, REPO)[-2:] == ["--overhead-steps", "0"]
+    old = tmp_path / "old"
+    (old / "benchmarks").mkdir(parents=True)
+    (old / "benchmarks" / "bench_rollback.py").write_text("# a bench from before --overhead-steps\n")
+    assert bench_args("rollback", settings, old) == ["--size", "tiny", "--reps", "2"]
+    assert "--overhead-steps" not in bench_args("checkpoint", settings, REPO)
