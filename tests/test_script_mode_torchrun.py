@@ -5,7 +5,8 @@ One lineage is SIGKILLed at iteration 45 (the drill's external fault: the whole 
 rank 0's newest versioned `ckpt.pt`, then diverges at its learning rate of 2.0: the supervisor reads rank 0's
 printed loss, stops the group, puts back the version chosen by the policy and relaunches every rank with the
 template's arguments (`--init_from=resume --learning_rate=0.5`), which both ranks print. Another lineage runs a
-script whose every rank prints its `iter` lines: each step reaches the lineage's MLflow run once.
+script whose every rank prints its `iter` lines: each step reaches the lineage's MLflow run once. A third runs
+on two torchrun nodes and loses one whole: both resume from the same version.
 """
 
 from __future__ import annotations
@@ -105,3 +106,47 @@ def test_a_step_printed_by_every_rank_is_logged_once(workdir, tmp_path):
     client = MlflowClient(tracking_uri=record.mlflow.tracking_uri)
     steps = [m.step for m in client.get_metric_history(record.mlflow.run_id, "loss")]
     assert sorted(steps) == list(range(60))  # ... and each step was logged once
+
+
+def test_on_two_nodes_a_lost_node_resumes_both_from_rank_0s_newest_version(workdir, tmp_path):
+    """Two torchrun nodes of one rank each (c10d on 127.0.0.1): the drill's external `kill` at iteration 35
+    takes node 0 whole (its agent and rank 0, where the script's output is read); one event (a lost node, a
+    `hardware_fault` this policy resumes from), one decision, and both nodes relaunched with
+    `--init_from=resume` from the same version of rank 0's ckpt.pt."""
+    from policies import load_policy
+    from supervisor.launcher.slurm import launcher_from_policy
+    from tests.nodekit import two_nodes
+
+    policy = tmp_path / "nodes.yaml"
+    text = POLICY.read_text().replace("lr: 2.0", "lr: 0.3")
+    text = text.replace(
+        "[preemption, unknown_exit, hang]", "[preemption, unknown_exit, hang, hardware_fault]"
+    )
+    text = text.replace("[software_error, hardware_fault, oom,", "[software_error, oom,")
+    policy.write_text(text + two_nodes())
+    cwd = workdir / "nodes"
+    cwd.mkdir()
+    options = RunOptions(
+        command=(sys.executable, SCRIPT, *STABLE),
+        policy_path=str(policy),
+        lineage="nodes",
+        workdir=workdir,
+        cwd=str(cwd),
+        stop_grace_seconds=5,
+        env={"OMP_NUM_THREADS": "1", FAULTS_ENV: "kill@35"},
+        launcher=launcher_from_policy(load_policy(policy).launcher, workdir / "nodes-wd"),
+        max_segments=4,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise()
+    assert record.status == "finished", record.segments[-1].event
+    lost, last = record.segments
+    assert lost.event["type"] == "hardware_fault" and lost.event["evidence"]["kind"] == "node_lost", (
+        lost.event
+    )
+    assert lost.decision["action"] == "resume" and not last.event
+    resumed = re.findall(
+        r"rank (\d): resuming from out/ckpt.pt at iter (\d+)", segment_log(workdir, "nodes", 1)
+    )
+    assert sorted(rank for rank, _ in resumed) == ["0", "1"] and len({it for _, it in resumed}) == 1
+    assert 20 <= int(resumed[0][1]) <= 35  # rank 0's newest version (it saves every 10) before the kill
