@@ -195,7 +195,16 @@ def test_reclaim_kills_only_its_own_segment_on_this_host(tmp_path):
         LocalLauncher().reclaim({**details, "pid_started": details["pid_started"] - 100})  # PID reused
         assert ours.poll() is None
         LocalLauncher().reclaim(details)
-        assert ours.wait(10) == -signal.SIGKILL
+        try:
+            assert ours.wait(10) == -signal.SIGKILL
+        except subprocess.TimeoutExpired:  # say what the process is doing, for the next one to diagnose
+            import psutil
+            import pytest
+
+            proc = psutil.Process(ours.pid)
+            pytest.fail(
+                f"not killed: status {proc.status()}, environ RS_PLAN {proc.environ().get('RS_PLAN')}"
+            )
     finally:
         if ours.poll() is None:
             ours.kill()

@@ -64,15 +64,22 @@ class LocalLauncher:
             log.info("segment %s: pid %d is gone or was reused; nothing to kill", index, pid)
             strays = _orphans(details.get("pid_started"), env_in_dir)
         else:
+            strays = []
             try:
                 if os.getpgid(pid) != pid:
                     return
                 os.killpg(pid, signal.SIGSTOP)  # nothing new is started while its children are listed
-                strays = [p.pid for p in psutil.Process(pid).children(recursive=True) if _pgid(p.pid) != pid]
-                os.killpg(pid, signal.SIGKILL)
+                try:
+                    strays = [
+                        p.pid for p in psutil.Process(pid).children(recursive=True) if _pgid(p.pid) != pid
+                    ]
+                except psutil.Error as exc:  # the group is killed all the same: never left stopped
+                    log.warning("segment %s: could not list the children of pid %d: %s", index, pid, exc)
+                finally:
+                    os.killpg(pid, signal.SIGKILL)
                 log.warning("killed stale training process group %d of segment %s", pid, index)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                strays = []
+            except (ProcessLookupError, PermissionError):
+                pass
             strays += [o for o in _orphans(details.get("pid_started"), env_in_dir) if o not in strays]
         # Children in sessions of their own (torchrun's ranks) outlive a killpg of their leader; an agent that
         # died first left them orphaned. Either way they would go on training beside the next segment.
