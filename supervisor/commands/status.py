@@ -20,6 +20,7 @@ from rich.text import Text
 from supervisor.errors import UserError
 from supervisor.layout import LineageLayout, is_url
 from supervisor.lineage import MAX_RECORD_BYTES, LineageRecordError, decode_record
+from supervisor.report.hangs import hang_lines, hang_rows
 from supervisor.report.timeline import (
     SEGMENT_COLUMNS,
     WIDE_TABLE_COLUMNS,
@@ -286,6 +287,7 @@ def _view(directory: Path, record: dict[str, Any], workdir: Path) -> tuple[dict[
         "restarts": c["restarts"],
         "segments": display.get("segments") or [],
         "timeline": timeline_rows(display),
+        "hangs": hang_rows(record),
         "checkpoint_store": str(store) if store else None,
         "checkpoint_store_problem": store_problem,
         "checkpoints": [dataclasses.asdict(i) for i in infos],
@@ -458,6 +460,8 @@ def print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any
         console.print(table)
     else:
         console.print("no events")
+    for line in hang_lines(entry.get("hangs") or []):
+        console.print(Text(line))
     console.print(_checkpoint_table(entry, narrow))
 
 

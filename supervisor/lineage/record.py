@@ -85,7 +85,7 @@ def _encode(value: Any) -> Any:
 class SegmentRecord(_JsonRecord):
     """One launch of the training command: where and how it ran, how it ended, and what was decided."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures", "stacks"})
 
     index: int
     started: float
@@ -103,6 +103,7 @@ class SegmentRecord(_JsonRecord):
     decision: JsonDict | None = None  #: the Decision taken about that event
     in_process: list[JsonDict] = field(default_factory=list)  #: events.jsonl records handled in process
     save_failures: list[JsonDict] | None = None  #: checkpoint saves that failed while it ran
+    stacks: JsonDict | None = None  #: every rank's Python stacks when it hung (`HangStacks.to_dict()`)
     extra: JsonDict = field(default_factory=dict, repr=False)
     absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 

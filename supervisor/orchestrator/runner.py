@@ -37,7 +37,7 @@ from supervisor.launcher.torchrun import TorchrunLauncher
 from supervisor.launcher.warmup import warm_checkpoint
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
-from supervisor.monitor import Monitor
+from supervisor.monitor import Monitor, stack_dump
 from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
 from supervisor.orchestrator import book as lifecycle
 from supervisor.orchestrator.book import LineageBook
@@ -316,7 +316,11 @@ class LineageRunner:
         # On top of ours (inherit_env). A fatal signal dumps the stack (the classifier reads the crashing
         # frame) unless the user set PYTHONFAULTHANDLER themselves (empty turns it off).
         dump = {} if FAULTHANDLER_ENV in os.environ or FAULTHANDLER_ENV in o.env else {FAULTHANDLER_ENV: "1"}
-        env = {**dump, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
+        # On a GPU machine, torch's NCCL flight recorder too, dumped through its pipe on a hang (stack_dump).
+        nccl_dir = self.layout.local / "stacks" / "nccl"
+        if nccl := stack_dump.nccl_trace_env(nccl_dir, {**os.environ, **o.env}):
+            nccl_dir.mkdir(parents=True, exist_ok=True)
+        env = {**dump, **nccl, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
         command, launcher = o.command, self._launcher()
 
         def open_watcher() -> Any:
@@ -350,6 +354,17 @@ class LineageRunner:
         report_wait = (
             0.0 if script is not None else SegmentSettings.report_wait_seconds
         )  # a script never reports
+        stacks_dir = stack_dump.segment_dir(self.layout.local, index)
+        unarmed = (
+            "an unmodified script"
+            if script is not None
+            else "no rank had armed its dump yet (a hang in start-up),"
+        )
+
+        def collect_stacks(handle: Any) -> Any:
+            root = handle.details().get("pid")
+            return stack_dump.collect(stacks_dir, nccl_dir=nccl_dir, root_pid=root, unarmed=unarmed)
+
         run = SegmentRun(
             launcher,
             SegmentSettings(o.stop_grace_seconds, self.policy.monitor.poll_seconds, report_wait),
@@ -358,6 +373,7 @@ class LineageRunner:
             lease=self.book,
             save=self._save,
             clock=self.clock,
+            collect_stacks=collect_stacks,
         )
         if not plan.restore.from_scratch:  # read the target ahead on a thread while the process starts
             warm_checkpoint(self.layout.checkpoints, plan.restore.checkpoint_id)

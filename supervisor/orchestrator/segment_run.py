@@ -8,6 +8,7 @@ interrupted, so that the next supervisor resumes it. Not thread-safe; the runner
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from supervisor.events import METRIC_EVENTS, Event
 from supervisor.launcher import Launcher, LaunchSpec, OnLine, SegmentHandle
 from supervisor.lineage.record import LineageRecord, SegmentRecord
 from supervisor.monitor import HeartbeatReader
+from supervisor.monitor.stacks import HangStacks
 from supervisor.orchestrator.events_log import EventsLog
 from supervisor.orchestrator.options import SegmentResult
 from supervisor.runtime.plan import RestoreSpec
@@ -68,6 +70,10 @@ class SegmentSettings:
     report_wait_seconds: float = 2.0
 
 
+#: Every rank's stacks of a hung segment, asked for before it is stopped (`supervisor.monitor.stack_dump`).
+CollectStacks = Callable[[SegmentHandle], HangStacks]
+
+
 class SegmentRun:
     """Launches one planned segment and watches it to its end; `run()` once."""
 
@@ -81,6 +87,7 @@ class SegmentRun:
         lease: LeaseGuard,
         save: Callable[[], None],
         clock: Callable[[], float],
+        collect_stacks: CollectStacks | None = None,
     ):
         self.launcher = launcher
         self.settings = settings
@@ -89,6 +96,7 @@ class SegmentRun:
         self.lease = lease
         self.save = save
         self.clock = clock
+        self.collect_stacks = collect_stacks
 
     def run(
         self,
@@ -160,12 +168,31 @@ class SegmentRun:
                 continue
             event = self._anomaly(watcher)
             if event is not None:
+                if event.type == "hang":
+                    event = self._with_stacks(seg, handle, event)
                 log.warning("segment %d: %s; stopping it", seg.index, event.reason)
                 handle.stop(self.settings.stop_grace_seconds, sig=signal.SIGUSR2)
                 return event
             self.lease.check()
             handle.wait_exit(self.settings.poll_seconds)
         return None
+
+    def _with_stacks(self, seg: SegmentRecord, handle: SegmentHandle, event: Event) -> Event:
+        """Keep every rank's stacks in the segment's record, and where each rank was in the event's evidence.
+
+        Before the stop, which ends the processes; a failure here is logged and never delays the stop more.
+        """
+        if self.collect_stacks is None:
+            return event
+        try:
+            stacks = self.collect_stacks(handle)
+        except Exception:
+            log.exception("segment %d: collecting the ranks' stacks failed", seg.index)
+            return event
+        seg.put(stacks=stacks.to_dict())
+        log.warning("segment %d hung; ranks were at: %s", seg.index, stacks.summary())
+        evidence = {**event.evidence, "stacks": stacks.summary()}
+        return dataclasses.replace(event, evidence=evidence)
 
     def _anomaly(self, watcher: Watcher) -> Event | None:
         """The first event the monitor saw that the training process did not already handle itself."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import exitcodes
-from supervisor.monitor import HeartbeatWriter
+from supervisor.monitor import HeartbeatWriter, stack_dump
 from supervisor.runtime.metrics import AsyncMetricLogger
 from supervisor.runtime.plan import LaunchPlan
 from supervisor.runtime.seams import (
@@ -110,6 +110,9 @@ class SegmentResources:
         if self._started:
             return
         self.open_store(state)
+        if self._plan.supervised:  # every rank dumps its stacks on the supervisor's signal when it hangs
+            rank = self._dist.rank if self._dist is not None else 0
+            stack_dump.install(stack_dump.segment_dir(self._plan.workdir, self._plan.segment), rank)
         if self._dist is None or self._dist.is_writer:
             self.outputs.heartbeat = HeartbeatWriter(self._plan.heartbeat_path)
         self.stops.start()

@@ -1,0 +1,342 @@
+"""Stacks on a hang: faulthandler's and py-spy's text parsed, where each rank was, the dump protocol on real
+processes and real signals, the record and the status view."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from supervisor.events import Event
+from supervisor.lineage.record import LineageRecord, SegmentRecord
+from supervisor.monitor import stack_dump
+from supervisor.monitor.stacks import (
+    Frame,
+    HangStacks,
+    RankStacks,
+    ThreadStack,
+    parse_faulthandler,
+    parse_py_spy,
+    short_path,
+    summary_line,
+    where_each_rank,
+)
+from supervisor.report.hangs import hang_lines, hang_rows
+
+REPO = Path(__file__).resolve().parents[1]
+SITE = "/venv/lib/python3.11/site-packages"
+
+# Two dumps appended to one file, as faulthandler writes them (no blank line after a dump's last thread).
+TWO_DUMPS = f"""\
+Thread 0x00007f1bae4fc6c0 (most recent call first):
+  File "/tmp/fh.py", line 5 in worker
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007f1baf08eb80 (most recent call first):
+  File "/tmp/fh.py", line 9 in step
+  File "/tmp/fh.py", line 11 in <module>
+Thread 0x00007f1bae4fc6c0 (most recent call first):
+  File "/tmp/fh.py", line 5 in worker
+
+Current thread 0x00007f1baf08eb80 (most recent call first):
+  File "{SITE}/torch/distributed/distributed_c10d.py", line 2501 in all_reduce
+  File "{SITE}/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/work/train.py", line 42 in step
+"""
+
+PY_SPY = f"""\
+Process 4242: python train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 0x7F1BAE4FC6C0 (idle): "Thread-1 (writer)"
+    wait (threading.py:320)
+Thread 0x7F1BAF08EB80 (active): "MainThread"
+    all_reduce ({SITE}/torch/distributed/distributed_c10d.py:2501)
+    step (/work/train.py:42)
+    <module> (/work/train.py:60)
+"""
+
+
+def test_faulthandler_text_gives_the_last_dumps_threads_innermost_first():
+    threads = parse_faulthandler(TWO_DUMPS)
+    assert [t.thread_id for t in threads] == [0x7F1BAE4FC6C0, 0x7F1BAF08EB80]
+    assert [t.current for t in threads] == [False, True]
+    main = threads[1]
+    assert [f.function for f in main.frames] == ["all_reduce", "wrapper", "step"]
+    assert main.frames[2] == Frame("/work/train.py", 42, "step")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", []),
+        ("garbage\nmore garbage\n", []),
+        # the current thread alone (all_threads=False)
+        ('Stack (most recent call first):\n  File "a.py", line 3 in f\n', [(None, ["a.py:3 f"])]),
+        # unknown line, a thread without Python frames, a truncated stack, a thread name
+        (
+            'Thread 0x10 [MainThread] (most recent call first):\n  File "a.py", line ??? in f\n  ...\n\n'
+            "Thread 0x20 (most recent call first):\n  <no Python frame>\n",
+            [(0x10, ["a.py:? f"]), (0x20, [])],
+        ),
+    ],
+)
+def test_faulthandler_edge_cases(text, expected):
+    got = [(t.thread_id, [f.where() for f in t.frames]) for t in parse_faulthandler(text)]
+    assert got == expected
+
+
+def test_py_spy_text_gives_named_threads_innermost_first():
+    threads = parse_py_spy(PY_SPY)
+    assert [(t.thread_id, t.name) for t in threads] == [
+        (0x7F1BAE4FC6C0, "Thread-1 (writer)"),
+        (0x7F1BAF08EB80, "MainThread"),
+    ]
+    rank = RankStacks(1, "h", 4242, threads, source="py-spy")
+    assert rank.where() == "torch/distributed/distributed_c10d.py:2501 all_reduce"
+    assert parse_py_spy("Process 1: python\nError: permission denied\n") == ()
+
+
+@pytest.mark.parametrize(
+    ("path", "short"),
+    [
+        (f"{SITE}/torch/distributed/distributed_c10d.py", "torch/distributed/distributed_c10d.py"),
+        ("/usr/lib/python3/dist-packages/numpy/core.py", "numpy/core.py"),
+        ("/root/.pyenv/versions/3.11.7/lib/python3.11/threading.py", "threading.py"),
+        ("/work/examples/train.py", "train.py"),
+        ("train.py", "train.py"),
+        ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap>"),
+    ],
+)
+def test_short_path(path, short):
+    assert short_path(path) == short
+
+
+def _thread(ident: int, *frames: tuple[str, int, str], name: str | None = None) -> ThreadStack:
+    return ThreadStack(ident, tuple(Frame(*f) for f in frames), name=name)
+
+
+WORKER = _thread(1, ("/usr/lib/python3.11/threading.py", 320, "wait"))
+MAIN = _thread(2, ("/work/train.py", 42, "step"), ("/work/train.py", 60, "<module>"))
+
+
+@pytest.mark.parametrize(
+    ("rank", "where"),
+    [
+        (RankStacks(0, "h", 1, (WORKER, MAIN), main_thread=2), "train.py:42 step"),  # named by the process
+        (RankStacks(0, "h", 1, (MAIN, WORKER), main_thread=2), "train.py:42 step"),
+        (RankStacks(0, "h", 1, (WORKER, MAIN)), "train.py:42 step"),  # CPython lists the main thread last
+        (
+            RankStacks(0, "h", 1, (_thread(2, ("/a.py", 1, "f"), name="MainThread"), WORKER)),
+            "a.py:1 f",
+        ),  # py-spy
+        (RankStacks(0, "h", 1, (WORKER, _thread(2))), None),  # main thread in C only
+        (RankStacks(0, "h", 1, ()), None),
+    ],
+)
+def test_where_is_the_main_threads_innermost_frame(rank, where):
+    assert rank.where() == where
+
+
+def test_where_each_rank_and_the_summary_line():
+    collective = _thread(2, (f"{SITE}/torch/distributed/distributed_c10d.py", 2501, "all_reduce"))
+    ranks = [
+        RankStacks(1, "h", 11, (MAIN,)),
+        RankStacks(None, "h", 99, (WORKER,)),
+        RankStacks(0, "h", 10, (collective,)),
+        RankStacks(2, "h", 12, (_thread(2),)),
+    ]
+    where = where_each_rank(ranks)
+    assert list(where) == ["0", "1", "2", "pid 99"]
+    assert where["2"] == "no Python frame"
+    assert summary_line(where, ["rank 3 (pid 13 on far): on another host"]) == (
+        "rank 0: torch/distributed/distributed_c10d.py:2501 all_reduce; rank 1: train.py:42 step; "
+        "rank 2: no Python frame; pid 99: threading.py:320 wait; rank 3 (pid 13 on far): on another host"
+    )
+    assert summary_line({}) == "no stacks"
+    assert ranks[2].in_module("torch/distributed/") and not ranks[0].in_module("torch/distributed/")
+
+
+def test_hang_stacks_round_trip_through_json_and_the_segment_record():
+    stacks = HangStacks(
+        (
+            RankStacks(0, "h", 10, (WORKER, MAIN), main_thread=2),
+            RankStacks(1, "h", 11, (MAIN,), source="py-spy"),
+        ),
+        missing=("rank 2 (pid 12 on far): on another host",),
+        collected_at=1.5,
+        seconds=0.25,
+    )
+    doc = json.loads(json.dumps(stacks.to_dict()))
+    assert doc["where"] == {"0": "train.py:42 step", "1": "train.py:42 step"}
+    assert HangStacks.from_dict(doc).to_dict() == doc
+    seg = SegmentRecord(index=0, started=1.0)
+    assert "stacks" not in seg.to_dict()  # written only once a hang filled it
+    seg.put(stacks=doc)
+    assert SegmentRecord.from_dict(seg.to_dict()).stacks == doc
+
+    record = {"segments": [{"index": 0}, {"index": 1, "stacks": doc}, {"index": 2, "stacks": "junk"}]}
+    rows = hang_rows(record)
+    assert rows == [
+        {
+            "segment": 1,
+            "summary": doc["summary"],
+            "where": {"0": "train.py:42 step", "1": "train.py:42 step"},
+            "missing": ["rank 2 (pid 12 on far): on another host"],
+            "nccl_traces": [],
+        }
+    ]
+    assert hang_lines(rows) == [
+        "segment 1 hung; the ranks were at:",
+        "  rank 0: train.py:42 step",
+        "  rank 1: train.py:42 step",
+        "  rank 2 (pid 12 on far): on another host",
+    ]
+
+
+# -- the dump protocol, on real processes ---------------------------------------------------------------------
+
+ARMED_CHILD = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from supervisor.monitor import stack_dump
+stack_dump.install({directory!r}, {rank})
+{extra}
+def stuck_in_step():
+    print("armed", flush=True)
+    time.sleep(60)
+stuck_in_step()
+"""
+
+
+def _armed_child(directory: Path, rank: int, extra: str = "") -> subprocess.Popen:
+    code = ARMED_CHILD.format(repo=str(REPO), directory=str(directory), rank=rank, extra=extra)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "armed\n"
+    return proc
+
+
+def test_collect_signals_every_armed_rank_and_parses_its_stacks(tmp_path: Path):
+    directory = stack_dump.segment_dir(tmp_path, 3)
+    children = [_armed_child(directory, 0), _armed_child(directory, 1)]
+    try:
+        started = time.monotonic()
+        stacks = stack_dump.collect(directory)
+        took = time.monotonic() - started
+        assert all(c.poll() is None for c in children), "the signal must not end an armed process"
+        # A second hang of the same processes reads only the new dump.
+        again = stack_dump.collect(directory)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert took < 2.0 and stacks.missing == ()
+    assert [(r.rank, r.pid, r.host) for r in stacks.ranks] == [
+        (0, children[0].pid, socket.gethostname()),
+        (1, children[1].pid, socket.gethostname()),
+    ]
+    line = ARMED_CHILD.splitlines().index("    time.sleep(60)") + 1
+    assert stacks.summary() == f"rank 0: <string>:{line} stuck_in_step; rank 1: <string>:{line} stuck_in_step"
+    assert [len(r.threads) for r in again.ranks] == [1, 1]
+    names = sorted(p.name for p in directory.iterdir())
+    assert names == [
+        f"rank0-{socket.gethostname()}-{children[0].pid}.txt",
+        f"rank1-{socket.gethostname()}-{children[1].pid}.txt",
+    ]
+
+
+def test_collect_names_each_rank_it_could_not_read(tmp_path: Path, monkeypatch):
+    directory = tmp_path / "stacks"
+    # Armed, then deaf to the signal: no dump arrives within the wait.
+    deaf = _armed_child(
+        directory, 0, extra="import signal; signal.signal(stack_dump.STACK_SIGNAL, signal.SIG_IGN)"
+    )
+    gone = _armed_child(directory, 1)
+    gone.kill()
+    gone.wait()
+    header = {"rank": 2, "host": "far-away", "pid": os.getpid(), "main_thread": 1, "armed_at": time.time()}
+    (directory / "rank2-far-away-1.txt").write_text(stack_dump.HEADER + json.dumps(header) + "\n")
+    (directory / "rank3-unreadable.txt").write_text("not a header\n")
+    try:
+        stacks = stack_dump.collect(directory, timeout=0.3)
+    finally:
+        deaf.kill()
+        deaf.wait()
+    host = socket.gethostname()
+    assert stacks.ranks == ()
+    assert list(stacks.missing) == [
+        f"rank 1 (pid {gone.pid} on {host}): no longer running",
+        f"rank 2 (pid {os.getpid()} on far-away): on another host, not signalled from {host}",
+        f"rank 0 (pid {deaf.pid}): no dump within 0.3 s",
+    ]
+
+
+def test_collect_without_an_armed_rank_says_why_there_are_no_stacks(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(stack_dump.shutil, "which", lambda name: None)
+    stacks = stack_dump.collect(tmp_path / "none", root_pid=os.getpid(), unarmed="an unmodified script")
+    assert stacks.ranks == () and stacks.missing == ("no stacks: an unmodified script without py-spy",)
+    assert stacks.summary() == "no stacks: an unmodified script without py-spy"
+
+
+def test_nccl_flight_recorder_is_armed_only_on_a_gpu_machine_the_user_left_alone(tmp_path: Path):
+    env = stack_dump.nccl_trace_env(tmp_path, {})
+    if not Path("/proc/driver/nvidia").exists():
+        assert env == {}
+    else:
+        assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == str(tmp_path / stack_dump.NCCL_STEM)
+    assert stack_dump.nccl_trace_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+
+
+# -- the supervisor's side: the hang event carries the stacks ---------------------------------------------
+
+
+class _Handle:
+    def details(self) -> dict:
+        return {"pid": 1}
+
+
+def _segment_run(collect):
+    from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings
+
+    record = LineageRecord.from_dict({"lineage": "l", "status": "running", "mlflow": {}})
+    return SegmentRun(
+        None,  # type: ignore[arg-type]
+        SegmentSettings(),
+        record=record,
+        events=None,  # type: ignore[arg-type]
+        lease=None,  # type: ignore[arg-type]
+        save=lambda: None,
+        clock=time.monotonic,
+        collect_stacks=collect,
+    )
+
+
+def test_a_hang_event_gets_the_summary_and_the_segment_the_stacks():
+    stacks = HangStacks((RankStacks(0, "h", 10, (MAIN,)),), missing=("rank 1 (pid 11): no dump within 5 s",))
+    seen = []
+    run = _segment_run(lambda handle: seen.append(handle) or stacks)
+    seg = SegmentRecord(index=2, started=0.0)
+    hang = Event(type="hang", reason="no progress for 3 s", evidence={"timeout_seconds": 2.0})
+    event = run._with_stacks(seg, _Handle(), hang)
+    assert len(seen) == 1
+    assert event.evidence == {
+        "timeout_seconds": 2.0,
+        "stacks": "rank 0: train.py:42 step; rank 1 (pid 11): no dump within 5 s",
+    }
+    assert seg.to_dict()["stacks"] == stacks.to_dict()
+
+
+def test_a_failing_collection_leaves_the_event_as_it_was():
+    def broken(handle):
+        raise OSError("disk gone")
+
+    seg = SegmentRecord(index=0, started=0.0)
+    hang = Event(type="hang", reason="no progress")
+    assert _segment_run(broken)._with_stacks(seg, _Handle(), hang) is hang
+    assert seg.stacks is None
