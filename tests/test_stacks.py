@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -285,12 +287,46 @@ def test_collect_without_an_armed_rank_says_why_there_are_no_stacks(tmp_path: Pa
 
 
 def test_nccl_flight_recorder_is_armed_only_on_a_gpu_machine_the_user_left_alone(tmp_path: Path):
-    env = stack_dump.nccl_trace_env(tmp_path, {})
+    stem = stack_dump.nccl_stem(tmp_path)
+    assert stem == stack_dump.nccl_stem(tmp_path / ".") and stem != stack_dump.nccl_stem(tmp_path / "other")
+    env = stack_dump.nccl_trace_env(stem, {})
     if not Path("/proc/driver/nvidia").exists():
         assert env == {}
     else:
-        assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == str(tmp_path / stack_dump.NCCL_STEM)
-    assert stack_dump.nccl_trace_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+        assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(stem)
+    assert stack_dump.nccl_trace_env(stem, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+
+
+def test_collect_fires_each_flight_recorder_pipe_and_keeps_the_dumps(tmp_path: Path):
+    """torch's side is played by a thread here (a CPU build has no NCCL): it reads `<stem><rank>.pipe`, as
+    ProcessGroupNCCL's monitor thread does, and writes its dump to `<stem><rank>`."""
+    stem = tmp_path / "fr" / "rollback-nccl-x-rank"
+    stem.parent.mkdir()
+    os.mkfifo(f"{stem}0.pipe")
+    os.mkfifo(f"{stem}1.pipe")  # a rank that is gone: no reader, never fired
+
+    # The reader is there before the supervisor writes (torch keeps its pipe open for reading all along).
+    fd = os.open(f"{stem}0.pipe", os.O_RDONLY | os.O_NONBLOCK)
+
+    def recorder() -> None:
+        try:
+            readable, _, _ = select.select([fd], [], [], 5.0)
+            assert readable and os.read(fd, 16)
+        finally:
+            os.close(fd)
+        Path(f"{stem}0").write_bytes(b"trace of rank 0")
+
+    reader = threading.Thread(target=recorder, daemon=True)
+    reader.start()
+    directory = tmp_path / "segment"
+    directory.mkdir()
+    stacks = stack_dump.collect(directory, nccl=stem, timeout=2.0)
+    reader.join(2)
+    assert stacks.nccl_traces == (str(directory / "rollback-nccl-x-rank0"),)
+    assert (directory / "rollback-nccl-x-rank0").read_bytes() == b"trace of rank 0"
+    assert hang_rows({"segments": [{"index": 0, "stacks": stacks.to_dict()}]})[0]["nccl_traces"] == [
+        str(directory / "rollback-nccl-x-rank0")
+    ]
 
 
 # -- the supervisor's side: the hang event carries the stacks ---------------------------------------------

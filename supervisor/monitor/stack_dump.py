@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import hashlib
 import json
 import logging
 import os
@@ -27,9 +28,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -48,8 +50,6 @@ HEADER = "# rollback-supervisor stacks "
 WAIT_SECONDS = 5.0
 #: A dump counts as complete once its file stopped growing for this long.
 SETTLE_SECONDS = 0.1
-#: The flight recorder's file stem under the NCCL trace directory: torch appends the rank (and ".pipe").
-NCCL_STEM = "nccl-trace-rank"
 
 _armed: dict[str, Any] = {}  # the open dump file of this process: faulthandler writes to its descriptor
 
@@ -145,10 +145,16 @@ def is_armed_process(pid: int, armed_at: float) -> bool:
         return False
 
 
-def nccl_trace_env(directory: str | os.PathLike[str], environ: dict[str, str]) -> dict[str, str]:
-    """The variables that arm torch's NCCL flight recorder and its dump pipe, where this machine has an NVIDIA
-    driver and the user set none of them; {} elsewhere. The directory must exist before the process group is
-    made (torch creates its pipes there)."""
+def nccl_stem(lineage_dir: str | os.PathLike[str]) -> Path:
+    """The flight recorder's file stem for a lineage: in /tmp, which every rank's host has and where a FIFO can
+    be made (torch aborts the process when it cannot make its pipe), one per lineage directory."""
+    digest = hashlib.sha1(str(Path(lineage_dir).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"rollback-nccl-{digest}-rank"
+
+
+def nccl_trace_env(stem: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that arm torch's NCCL flight recorder and its dump pipe (`<stem><rank>.pipe`, dumping to
+    `<stem><rank>`), where this machine has an NVIDIA driver and the user set none of them; {} elsewhere."""
     names = (
         "TORCH_NCCL_TRACE_BUFFER_SIZE",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
@@ -156,14 +162,13 @@ def nccl_trace_env(directory: str | os.PathLike[str], environ: dict[str, str]) -
     )
     if not Path("/proc/driver/nvidia").exists() or any(n in environ for n in names):
         return {}
-    stem = str(Path(directory) / NCCL_STEM)
-    return dict(zip(names, ("2000", stem, stem), strict=True))
+    return dict(zip(names, ("2000", str(stem), str(stem)), strict=True))
 
 
 def collect(
     directory: Path,
     *,
-    nccl_dir: Path | None = None,
+    nccl: Path | None = None,
     root_pid: int | None = None,
     unarmed: str = "no rank armed its dump",
     timeout: float = WAIT_SECONDS,
@@ -191,7 +196,7 @@ def collect(
                 waiting.append(rank)
             except OSError as exc:
                 missing.append(f"{who}: could not be signalled ({exc})")
-    fired = _fire_nccl_pipes(nccl_dir) if nccl_dir is not None else []
+    fired = _fire_nccl_pipes(nccl) if nccl is not None else []
     dumps = _await_dumps(waiting, started + timeout, clock, sleep)
     ranks: list[RankStacks] = []
     for rank in waiting:
@@ -205,7 +210,7 @@ def collect(
         ranks += spied
         if not spied:
             missing.append(f"no stacks: {unarmed} {why}")
-    traces = _await_nccl(nccl_dir, fired, wall, started + timeout, clock, sleep) if fired else []
+    traces = _await_nccl(fired, directory, wall, started + timeout, clock, sleep) if fired else []
     return HangStacks(
         tuple(ranks), tuple(missing), tuple(traces), collected_at=wall, seconds=clock() - started
     )
@@ -272,10 +277,10 @@ def _py_spy_tree(root_pid: int | None, timeout: float) -> tuple[list[RankStacks]
     return found, "(py-spy read no Python process)" if not found else ""
 
 
-def _fire_nccl_pipes(nccl_dir: Path) -> list[Path]:
+def _fire_nccl_pipes(stem: Path) -> list[Path]:
     """Ask each rank's NCCL flight recorder for a dump through its pipe; the pipes written to."""
     fired = []
-    for pipe in sorted(nccl_dir.glob(f"{NCCL_STEM}*.pipe")) if nccl_dir.is_dir() else []:
+    for pipe in sorted(stem.parent.glob(f"{stem.name}*.pipe")):
         try:
             fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)  # no reader (ENXIO): that rank is gone
         except OSError:
@@ -291,17 +296,26 @@ def _fire_nccl_pipes(nccl_dir: Path) -> list[Path]:
 
 
 def _await_nccl(
-    nccl_dir: Path | None,
     fired: list[Path],
+    directory: Path,
     since: float,
     deadline: float,
     clock: Callable[[], float],
     sleep: Callable[[float], None],
 ) -> list[str]:
-    """The flight recorder dumps written since `since` for the pipes fired, waiting until the deadline."""
+    """The flight recorder dumps written since `since` for the pipes fired, copied into `directory`; waits for
+    them until the deadline (the dump is torch's own format, kept as it is)."""
     wanted = [p.with_suffix("") for p in fired]
     while True:
         ready = [p for p in wanted if p.exists() and p.stat().st_mtime >= since - 1.0]
         if len(ready) == len(wanted) or clock() >= deadline:
-            return [str(p) for p in ready]
+            break
         sleep(0.05)
+    kept = []
+    for path in ready:
+        try:
+            kept.append(str(shutil.copy2(path, directory / path.name)))
+        except OSError as exc:
+            log.warning("could not keep the NCCL flight recorder dump %s: %s", path, exc)
+            kept.append(str(path))
+    return kept

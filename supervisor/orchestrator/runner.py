@@ -317,9 +317,8 @@ class LineageRunner:
         # frame) unless the user set PYTHONFAULTHANDLER themselves (empty turns it off).
         dump = {} if FAULTHANDLER_ENV in os.environ or FAULTHANDLER_ENV in o.env else {FAULTHANDLER_ENV: "1"}
         # On a GPU machine, torch's NCCL flight recorder too, dumped through its pipe on a hang (stack_dump).
-        nccl_dir = self.layout.local / "stacks" / "nccl"
-        if nccl := stack_dump.nccl_trace_env(nccl_dir, {**os.environ, **o.env}):
-            nccl_dir.mkdir(parents=True, exist_ok=True)
+        nccl_stem = stack_dump.nccl_stem(self.layout.local)
+        nccl = stack_dump.nccl_trace_env(nccl_stem, {**os.environ, **o.env})
         env = {**dump, **nccl, **o.env, PLAN_ENV: str(plan_path), "PYTHONUNBUFFERED": "1"}
         command, launcher = o.command, self._launcher()
 
@@ -363,7 +362,8 @@ class LineageRunner:
 
         def collect_stacks(handle: Any) -> Any:
             root = handle.details().get("pid")
-            return stack_dump.collect(stacks_dir, nccl_dir=nccl_dir, root_pid=root, unarmed=unarmed)
+            armed = nccl_stem if nccl else None
+            return stack_dump.collect(stacks_dir, nccl=armed, root_pid=root, unarmed=unarmed)
 
         run = SegmentRun(
             launcher,
