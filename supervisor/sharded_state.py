@@ -118,11 +118,6 @@ def buffer_names(model: torch.nn.Module) -> set[str]:
     return names | {n.removeprefix("module.") for n in names}
 
 
-def is_sharded_module(obj: Any) -> bool:
-    """True for a module with DTensor parameters (FSDP2's `fully_shard`, tensor parallelism)."""
-    return isinstance(obj, torch.nn.Module) and any(isinstance(p, DTensor) for p in obj.parameters())
-
-
 def pack_json(nested: Any) -> dict[str, Any]:
     """A nested state with tensors as JSON: the skeleton plus the tensors as base64 safetensors (no pickle)."""
     skeleton, tensors = flatten(nested)

@@ -118,3 +118,71 @@ def test_a_restore_skips_batches_scales_the_lr_and_says_so():
 def test_skipping_without_a_resumable_loader_says_what_to_register():
     with pytest.raises(TypeError, match="register a supervisor.data.ResumableLoader"):
         Registered().skip_batches(3)
+
+
+class Dist:
+    """Rank `rank`'s view of the collective: rank 0's broadcasts return what it sends; another rank's return
+    rank 0's scripted names, in order."""
+
+    def __init__(self, rank: int, names: list[str | None] | None = None):
+        self.rank, self.names, self.sent = rank, list(names or []), []
+
+    def broadcast_outcome(self, value: str | None, error: BaseException | None = None) -> str | None:
+        self.sent.append(value if error is None else f"error: {error}")
+        return value if self.rank == 0 else self.names.pop(0)
+
+    def gather_values(self, values: Any) -> list[list[float]]:
+        return [list(values)]
+
+
+@dataclass
+class Reader:
+    """A non-zero rank's read-only store: `corrupt` ids fail to verify."""
+
+    known: list[Info]
+    corrupt: set[str] = field(default_factory=set)
+    reads: list[str] = field(default_factory=list)
+
+    def restore(self, which: str) -> Info:
+        from supervisor.errors import CheckpointCorrupt
+
+        self.reads.append(which)
+        if which in self.corrupt:
+            raise CheckpointCorrupt(which, "checksum mismatch")
+        return next(i for i in self.known if i.id == which)
+
+
+def _restorer(dist: Dist) -> PlanRestore:
+    return PlanRestore(Registered(), Outputs(NullMetrics(), NullHeartbeat()), "ckpts", dist)  # type: ignore[arg-type]
+
+
+def test_rank_0_names_its_choice_before_reading_it_so_every_rank_reads_at_once():
+    rank0, store = Dist(0), FakeStore([A, B])
+    assert _restorer(rank0).restore(store, Reader([]), RestoreSpec()) == B  # type: ignore[arg-type]
+    assert rank0.sent == [B.id, B.id]  # the candidate (the newest valid), then what was restored
+    assert store.calls == [("restore", "latest")]  # rank 0 still falls back past a corrupt newest one
+
+    rank1, reader = Dist(1, [B.id, B.id]), Reader([A, B])
+    assert _restorer(rank1).restore(None, reader, RestoreSpec()) == B  # type: ignore[arg-type]
+    assert reader.reads == [B.id]  # read once, while rank 0 read it too
+
+
+def test_a_rank_reads_again_when_rank_0_fell_back_to_an_older_commit():
+    rank1, reader = Dist(1, [B.id, A.id]), Reader([A, B], corrupt={B.id})
+    assert _restorer(rank1).restore(None, reader, RestoreSpec()) == A  # type: ignore[arg-type]
+    assert reader.reads == [B.id, A.id]
+
+    rank1, reader = Dist(1, [B.id, A.id]), Reader([A, B])  # read fine here, but rank 0 found it corrupt
+    assert _restorer(rank1).restore(None, reader, RestoreSpec()) == A  # type: ignore[arg-type]
+    assert reader.reads == [B.id, A.id]
+
+
+def test_a_start_from_scratch_and_a_failure_on_rank_0_are_named_to_every_rank():
+    rank0 = Dist(0)
+    assert _restorer(rank0).restore(FakeStore(), Reader([]), RestoreSpec()) is None  # type: ignore[arg-type]
+    assert rank0.sent == [None, None]
+
+    rank0 = Dist(0)
+    with pytest.raises(CheckpointNotFound):
+        _restorer(rank0).restore(FakeStore(invalid=[A]), Reader([]), RestoreSpec())  # type: ignore[arg-type]
+    assert len(rank0.sent) == 1 and rank0.sent[0].startswith("error: no valid checkpoint among 1")

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, preload
 from supervisor.events import Event
@@ -57,11 +59,11 @@ log = logging.getLogger("rollback_supervisor.session")
 def _is_sharded(obj: Any) -> bool:
     """A module with DTensor parameters (FSDP2's `fully_shard`, tensor parallelism). Without
     torch.distributed.tensor imported no parameter can be one, and the sharded path is not imported."""
-    if "torch.distributed.tensor" not in sys.modules:
+    if "torch.distributed.tensor" not in sys.modules or not isinstance(obj, torch.nn.Module):
         return False
-    from supervisor.sharded_state import is_sharded_module
+    from torch.distributed.tensor import DTensor  # imported already: a dictionary lookup
 
-    return is_sharded_module(obj)
+    return any(isinstance(p, DTensor) for p in obj.parameters())
 
 
 class TrainingCore:
