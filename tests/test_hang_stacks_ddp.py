@@ -2,7 +2,8 @@
 all_reduce (`stuck@4:rank1`) while rank 0 waits inside it. The hang detector fires, and before the segment is
 stopped the record holds both ranks' stacks, rank 0's inside torch.distributed; `status` says where each was.
 
-Short on purpose (issue 30): a tiny model, a 3 s hang limit, and a policy that stops on a hang (no relaunch).
+Short on purpose (issue 30): a tiny model, a 4 s hang limit (12 s for start-up: 3 s here unloaded), and a
+policy that stops on a hang (no relaunch).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ checkpoint: {every_steps: 100, keep_last: 1, async: false, storage: ./checkpoint
 monitor:
   poll_seconds: 0.25
   detectors:
-    - {type: hang, seconds: 3}
+    - {type: hang, seconds: 4}
 rules:
   - when: [hang]
     action: stop

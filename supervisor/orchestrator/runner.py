@@ -354,10 +354,10 @@ class LineageRunner:
             0.0 if script is not None else SegmentSettings.report_wait_seconds
         )  # a script never reports
         stacks_dir = stack_dump.segment_dir(self.layout.local, index)
-        unarmed = (
+        unarmed = (  # the ranks arm their dumps as the training-side API starts; a script never does
             "an unmodified script"
             if script is not None
-            else "no rank had armed its dump yet (a hang in start-up),"
+            else f"no rank's dump file in {stacks_dir} (a hang in start-up, or ranks on another machine),"
         )
 
         def collect_stacks(handle: Any) -> Any:
