@@ -17,7 +17,8 @@ from supervisor.cli import main
 from supervisor.errors import CheckpointNotFound
 from supervisor.events import Event
 from supervisor.runtime.plan import LaunchPlan
-from supervisor.runtime.wiring import checkpoint_options, to_records
+from policies.records import to_records
+from supervisor.runtime.wiring import checkpoint_options
 from supervisor.state import TrainingState
 
 FLOATS = [

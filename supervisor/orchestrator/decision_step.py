@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from policies import Decision, History, decide
+from policies.records import to_records
 from supervisor import exitcodes
 from supervisor.checkpoint.view import MergedCatalog
 from supervisor.events import Event
@@ -21,7 +22,6 @@ from supervisor.monitor import classify_exit
 from supervisor.orchestrator.events_log import EventsLog, same_incident
 from supervisor.orchestrator.options import SegmentResult
 from supervisor.runtime.plan import RestoreSpec
-from supervisor.runtime.wiring import to_records
 
 log = logging.getLogger("rollback_supervisor.orchestrator")
 

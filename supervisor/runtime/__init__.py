@@ -1,10 +1,35 @@
 """Training-side API: attach to a launch plan, register state, loop, log, checkpoint, detect, heartbeat.
 
 `Session` drives the loop itself; `TrainingCore` is the same machinery for a driver that owns its loop.
+
+The names are imported on first use (PEP 562), so that the supervisor's side, which reads and writes launch
+plans (`supervisor.runtime.plan`), never imports torch through this package.
 """
 
-from supervisor.runtime.core import TrainingCore
-from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
-from supervisor.runtime.session import Session
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from supervisor.runtime.core import TrainingCore
+    from supervisor.runtime.plan import PLAN_ENV, LaunchPlan, RestoreSpec
+    from supervisor.runtime.session import Session
 
 __all__ = ["PLAN_ENV", "LaunchPlan", "RestoreSpec", "Session", "TrainingCore"]
+
+_WHERE = {
+    "TrainingCore": "supervisor.runtime.core",
+    "Session": "supervisor.runtime.session",
+    "PLAN_ENV": "supervisor.runtime.plan",
+    "LaunchPlan": "supervisor.runtime.plan",
+    "RestoreSpec": "supervisor.runtime.plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'supervisor.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

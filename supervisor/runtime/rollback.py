@@ -20,7 +20,6 @@ from supervisor.events import Event
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.seams import CheckpointStore
-from supervisor.runtime.wiring import to_records
 
 if TYPE_CHECKING:
     from policies import Decision, History
@@ -61,6 +60,7 @@ class InProcessRollback:
     def handle(self, store: CheckpointStore, event: Event, step: int) -> RolledBack | None:
         """Roll back for `event` if the policy says so and the target is here; None: reported, not handled."""
         from policies import decide
+        from policies.records import to_records
 
         # Writes in flight included: never waited for (ARCHITECTURE.md).
         known = self._failures.despite(step, store.candidates)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from supervisor.checkpoint import CheckpointInfo, CheckpointOptions, KeepBestSpec
+from supervisor.checkpoint import CheckpointOptions, KeepBestSpec
 from supervisor.runtime.lr_scale import apply_lr_scale as apply_lr_scale  # the session applies it
 from supervisor.runtime.plan import LaunchPlan
 
@@ -43,24 +42,6 @@ def checkpoint_options(
         config=config,
         allow_nonfinite=ck.allow_nonfinite,
     )
-
-
-def to_records(infos: Iterable[CheckpointInfo], invalid: Iterable[str] = ()) -> list[Any]:
-    """The store's infos as the engine's catalogue: abandoned or invalid ones not valid, unhealthy ones marked."""
-    from policies import CheckpointRecord
-
-    bad = set(invalid)
-    return [
-        CheckpointRecord(
-            i.id,
-            i.step,
-            dict(i.metrics),
-            valid=not i.abandoned and i.id not in bad,
-            wall_time=i.wall_time,
-            healthy=i.healthy,
-        )
-        for i in infos
-    ]
 
 
 def part_kind(obj: Any) -> str:

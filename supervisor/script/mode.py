@@ -24,7 +24,6 @@ from supervisor.checkpoint.retention import policy_from_settings
 from supervisor.errors import PolicyError, SupervisorError
 from supervisor.launcher import Launcher, OnLine
 from supervisor.monitor import DetectorSet, HeartbeatWriter, Point, build_detectors
-from supervisor.runtime.faults import FAULTS_ENV, parse_faults
 from supervisor.runtime.plan import RestoreSpec
 from supervisor.script.faults import ExternalFaults, FaultLauncher
 from supervisor.script.files import KnownFiles, ScriptFiles
@@ -122,6 +121,8 @@ class ScriptMode:
         self.store_dir = Path(store_dir)
         self.root = Path(cwd or os.getcwd()).resolve()
         self.template = self.config.relaunch.template()
+        from supervisor.runtime.faults import FAULTS_ENV, parse_faults  # it imports torch: only when needed
+
         self.faults = parse_faults((env or {}).get(FAULTS_ENV))
         self.known: KnownFiles = {}
         self.current: ScriptSegment | None = None
