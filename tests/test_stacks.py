@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -92,6 +93,28 @@ def test_faulthandler_text_gives_the_last_dumps_threads_innermost_first():
 def test_faulthandler_edge_cases(text, expected):
     got = [(t.thread_id, [f.where() for f in t.frames]) for t in parse_faulthandler(text)]
     assert got == expected
+
+
+# py-spy 0.4.3's own output for a process sleeping in step(): OS thread ids, and no thread name.
+PY_SPY_NATIVE = """\
+Process 18605: /work/main/.venv/bin/python -c import time
+Python v3.11.7 (/root/.pyenv/versions/3.11.7/bin/python3.11)
+
+Thread 18611 (idle)
+    wait (threading.py:320)
+Thread 18605 (idle)
+    step (<string>:3)
+    <module> (<string>:4)
+
+"""
+
+
+def test_py_spy_native_thread_ids_name_the_main_thread_by_the_pid():
+    threads = parse_py_spy(PY_SPY_NATIVE)
+    assert [t.thread_id for t in threads] == [18611, 18605]
+    assert (
+        RankStacks(None, "h", 18605, threads, main_thread=18605, source="py-spy").where() == "<string>:3 step"
+    )
 
 
 def test_py_spy_text_gives_named_threads_innermost_first():
@@ -284,6 +307,22 @@ def test_collect_without_an_armed_rank_says_why_there_are_no_stacks(tmp_path: Pa
     stacks = stack_dump.collect(tmp_path / "none", root_pid=os.getpid(), unarmed="an unmodified script")
     assert stacks.ranks == () and stacks.missing == ("no stacks: an unmodified script without py-spy",)
     assert stacks.summary() == "no stacks: an unmodified script without py-spy"
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+def test_py_spy_reads_a_segment_whose_ranks_armed_nothing(tmp_path: Path):
+    code = "import time\ndef stuck_in_step():\n    print('up', flush=True)\n    time.sleep(60)\nstuck_in_step()\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
+        stacks = stack_dump.collect(tmp_path / "none", root_pid=child.pid, unarmed="an unmodified script")
+    finally:
+        child.kill()
+        child.wait()
+    assert stacks.missing == ()
+    assert [(r.pid, r.source, r.where()) for r in stacks.ranks] == [
+        (child.pid, "py-spy", "<string>:4 stuck_in_step")
+    ]
 
 
 def test_nccl_flight_recorder_is_armed_only_on_a_gpu_machine_the_user_left_alone(tmp_path: Path):

@@ -273,7 +273,8 @@ def _py_spy_tree(root_pid: int | None, timeout: float) -> tuple[list[RankStacks]
         threads = parse_py_spy(out.stdout)
         if threads:
             ranks = int(rank) if rank and rank.isdigit() else None
-            found.append(RankStacks(ranks, host, proc.pid, threads, None, "py-spy"))
+            # py-spy names threads by their OS thread id where it can: the main thread's is the pid.
+            found.append(RankStacks(ranks, host, proc.pid, threads, proc.pid, "py-spy"))
     return found, "(py-spy read no Python process)" if not found else ""
 
 
