@@ -247,6 +247,13 @@ def _armed_child(directory: Path, rank: int, extra: str = "") -> subprocess.Pope
     return proc
 
 
+def _end(child: subprocess.Popen) -> None:
+    child.kill()
+    child.wait()
+    if child.stdout is not None:
+        child.stdout.close()
+
+
 def test_collect_signals_every_armed_rank_and_parses_its_stacks(tmp_path: Path):
     directory = stack_dump.segment_dir(tmp_path, 3)
     children = [_armed_child(directory, 0), _armed_child(directory, 1)]
@@ -259,8 +266,7 @@ def test_collect_signals_every_armed_rank_and_parses_its_stacks(tmp_path: Path):
         again = stack_dump.collect(directory)
     finally:
         for child in children:
-            child.kill()
-            child.wait()
+            _end(child)
     assert took < 2.0 and stacks.missing == ()
     assert [(r.rank, r.pid, r.host) for r in stacks.ranks] == [
         (0, children[0].pid, socket.gethostname()),
@@ -283,16 +289,14 @@ def test_collect_names_each_rank_it_could_not_read(tmp_path: Path, monkeypatch):
         directory, 0, extra="import signal; signal.signal(stack_dump.STACK_SIGNAL, signal.SIG_IGN)"
     )
     gone = _armed_child(directory, 1)
-    gone.kill()
-    gone.wait()
+    _end(gone)
     header = {"rank": 2, "host": "far-away", "pid": os.getpid(), "main_thread": 1, "armed_at": time.time()}
     (directory / "rank2-far-away-1.txt").write_text(stack_dump.HEADER + json.dumps(header) + "\n")
     (directory / "rank3-unreadable.txt").write_text("not a header\n")
     try:
         stacks = stack_dump.collect(directory, timeout=0.3)
     finally:
-        deaf.kill()
-        deaf.wait()
+        _end(deaf)
     host = socket.gethostname()
     assert stacks.ranks == ()
     assert list(stacks.missing) == [
@@ -317,8 +321,7 @@ def test_py_spy_reads_a_segment_whose_ranks_armed_nothing(tmp_path: Path):
         assert child.stdout is not None and child.stdout.readline() == "up\n"
         stacks = stack_dump.collect(tmp_path / "none", root_pid=child.pid, unarmed="an unmodified script")
     finally:
-        child.kill()
-        child.wait()
+        _end(child)
     assert stacks.missing == ()
     assert [(r.pid, r.source, r.where()) for r in stacks.ranks] == [
         (child.pid, "py-spy", "<string>:4 stuck_in_step")
@@ -366,6 +369,55 @@ def test_collect_fires_each_flight_recorder_pipe_and_keeps_the_dumps(tmp_path: P
     assert hang_rows({"segments": [{"index": 0, "stacks": stacks.to_dict()}]})[0]["nccl_traces"] == [
         str(directory / "rollback-nccl-x-rank0")
     ]
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_a_segments_start_arms_its_ranks_dump_under_the_supervisor_only(tmp_path: Path, supervised: bool):
+    from supervisor.runtime.plan import LaunchPlan
+    from supervisor.runtime.resources import SegmentResources
+    from supervisor.runtime.seams import NullHeartbeat, NullMetrics, Outputs
+    from supervisor.runtime.segment_store import SegmentStore
+    from supervisor.runtime.stops import StopSources
+    from supervisor.state import TrainingState
+
+    class Rank1:
+        rank, is_writer = 1, False
+
+    class Quiet:
+        def start(self):
+            return self
+
+        def stop(self) -> None: ...
+
+    work = tmp_path / "work"
+    plan = LaunchPlan(
+        lineage="r",
+        workdir=str(work),
+        checkpoint_dir=str(work / "ck"),
+        tracking_uri=f"sqlite:///{tmp_path / 'unused.db'}",
+        segment=2,
+        supervised=supervised,
+    )
+    stops = StopSources(lambda on_notice: Quiet(), None)  # type: ignore[arg-type,return-value]
+    outputs = Outputs(NullMetrics(), NullHeartbeat())
+    resources = SegmentResources(plan, SegmentStore(None, "full"), outputs, stops, Rank1())  # type: ignore[arg-type]
+    try:
+        resources.start(TrainingState())
+        armed = stack_dump.armed_ranks(stack_dump.segment_dir(work, 2))
+        if not supervised:
+            assert armed == [] and not (work / "stacks").exists()
+            return
+        (rank,) = armed
+        assert (rank.rank, rank.pid, rank.host) == (1, os.getpid(), socket.gethostname())
+        os.kill(os.getpid(), stack_dump.STACK_SIGNAL)  # this very process dumps, and goes on
+        threads = parse_faulthandler(rank.path.read_text())
+        assert threads and any(
+            f.function == "test_a_segments_start_arms_its_ranks_dump_under_the_supervisor_only"
+            for f in RankStacks(1, "h", 1, threads, rank.main_thread).main().frames
+        )
+    finally:
+        resources.stops.close()
+        stack_dump.uninstall()
 
 
 # -- the supervisor's side: the hang event carries the stacks ---------------------------------------------

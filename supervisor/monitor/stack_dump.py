@@ -94,6 +94,13 @@ def install(directory: str | os.PathLike[str], rank: int) -> Path | None:
     return path
 
 
+def uninstall() -> None:
+    """Disarm this process's stack dump and close its file (a process that arms again later, or a test)."""
+    if _armed.pop("path", None) is not None:
+        faulthandler.unregister(STACK_SIGNAL)
+        _armed.pop("file").close()
+
+
 @dataclass(frozen=True)
 class Armed:
     """One rank that armed its dump: its file, what its header says, and how long the file was."""
