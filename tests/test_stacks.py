@@ -20,12 +20,15 @@ from supervisor.events import Event
 from supervisor.lineage.record import LineageRecord, SegmentRecord
 from supervisor.monitor import stack_dump
 from supervisor.monitor.stacks import (
+    SUMMARY_CHARS,
     Frame,
     HangStacks,
     RankStacks,
     ThreadStack,
+    by_place,
     parse_faulthandler,
     parse_py_spy,
+    rank_ranges,
     short_path,
     summary_line,
     where_each_rank,
@@ -188,6 +191,43 @@ def test_where_each_rank_and_the_summary_line():
     assert ranks[2].in_module("torch/distributed/") and not ranks[0].in_module("torch/distributed/")
 
 
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [([0], "0"), ([0, 1], "0-1"), ([0, 2, 3, 4, 7], "0, 2-4, 7"), ([5, 6, 7, 9, 10], "5-7, 9-10")],
+)
+def test_rank_ranges(ranks, text):
+    assert rank_ranges(ranks) == text
+
+
+def test_at_scale_the_ranks_at_one_place_are_one_group_and_the_odd_one_stands_out():
+    collective = "torch/distributed/distributed_c10d.py:2501 all_reduce"
+    where = {str(r): collective for r in range(1024)} | {"517": "train.py:42 step", "pid 9": "x.py:1 f"}
+    assert by_place(where) == [
+        ("ranks 0-516, 518-1023", collective),
+        ("rank 517", "train.py:42 step"),
+        ("pid 9", "x.py:1 f"),
+    ]
+    assert (
+        summary_line(where)
+        == f"ranks 0-516, 518-1023: {collective}; rank 517: train.py:42 step; pid 9: x.py:1 f"
+    )
+    # Every rank somewhere else: the line the event carries stays bounded.
+    scattered = {str(r): f"train.py:{r} step" for r in range(1024)}
+    line = summary_line(scattered)
+    assert (
+        len(line) == SUMMARY_CHARS
+        and line.startswith("rank 0: train.py:0 step; rank 1:")
+        and line.endswith("…")
+    )
+    rows = [{"segment": 3, "where": where, "missing": [], "nccl_traces": []}]
+    assert hang_lines(rows) == [
+        "segment 3 hung; the ranks were at:",
+        f"  ranks 0-516, 518-1023: {collective}",
+        "  rank 517: train.py:42 step",
+        "  pid 9: x.py:1 f",
+    ]
+
+
 def test_hang_stacks_round_trip_through_json_and_the_segment_record():
     stacks = HangStacks(
         (
@@ -219,8 +259,7 @@ def test_hang_stacks_round_trip_through_json_and_the_segment_record():
     ]
     assert hang_lines(rows) == [
         "segment 1 hung; the ranks were at:",
-        "  rank 0: train.py:42 step",
-        "  rank 1: train.py:42 step",
+        "  ranks 0-1: train.py:42 step",
         "  rank 2 (pid 12 on far): on another host",
     ]
 
@@ -273,7 +312,7 @@ def test_collect_signals_every_armed_rank_and_parses_its_stacks(tmp_path: Path):
         (1, children[1].pid, socket.gethostname()),
     ]
     line = ARMED_CHILD.splitlines().index("    time.sleep(60)") + 1
-    assert stacks.summary() == f"rank 0: <string>:{line} stuck_in_step; rank 1: <string>:{line} stuck_in_step"
+    assert stacks.summary() == f"ranks 0-1: <string>:{line} stuck_in_step"
     assert [len(r.threads) for r in again.ranks] == [1, 1]
     names = sorted(p.name for p in directory.iterdir())
     assert names == [

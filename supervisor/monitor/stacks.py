@@ -24,6 +24,8 @@ _SPY_THREAD = re.compile(
 _SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>.+):(?P<line>\d+)\)\s*$")
 #: Where a path's readable tail starts: an installed package's path inside its environment, or the stdlib's.
 _PATH_ROOTS = re.compile(r".*/(?:site-packages|dist-packages|lib/python\d+(?:\.\d+)?)/")
+#: The most characters of the one-line summary an event carries.
+SUMMARY_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -251,11 +253,41 @@ def where_each_rank(ranks: Iterable[RankStacks]) -> dict[str, str]:
     return found
 
 
-def summary_line(where: Mapping[str, str], missing: Iterable[str] = ()) -> str:
-    """Where each rank was, then what is missing: "rank 0: a.py:3 f; rank 1: b.py:9 g"."""
-    parts = [
-        f"rank {key}: {place}" if not key.startswith("pid ") else f"{key}: {place}"
-        for key, place in where.items()
-    ]
+def by_place(where: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Ranks at the same place grouped, in order of first appearance: [("ranks 0, 2-7", "…all_reduce"), ...].
+
+    At scale most ranks wait in the same collective and one or two are elsewhere: those are the ones to read.
+    A process without a rank ("pid 4242") stands alone.
+    """
+    groups: dict[str, list[str]] = {}
+    for key, place in where.items():
+        groups.setdefault(place, []).append(key)
+    rows = []
+    for place, keys in groups.items():
+        ranks = sorted(int(k) for k in keys if k.isdigit())
+        if ranks:
+            rows.append((("ranks " if len(ranks) > 1 else "rank ") + rank_ranges(ranks), place))
+        rows += [(k, place) for k in keys if not k.isdigit()]
+    return rows
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as ranges: [0, 2, 3, 4, 7] -> "0, 2-4, 7"."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def summary_line(
+    where: Mapping[str, str], missing: Iterable[str] = (), max_chars: int = SUMMARY_CHARS
+) -> str:
+    """Where the ranks were, grouped by place, then what is missing, in at most `max_chars`:
+    "rank 0: a.py:3 f; rank 1: b.py:9 g" (it goes into the event, which the history and every plan carry)."""
+    parts = [f"{who}: {place}" for who, place in by_place(where)]
     parts += list(missing)
-    return "; ".join(parts) if parts else "no stacks"
+    text = "; ".join(parts) if parts else "no stacks"
+    return text if len(text) <= max_chars else text[: max_chars - 1] + "…"

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from supervisor.monitor.stacks import by_place
+
 
 def hang_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """One row per segment that holds stacks: its index, the line, each rank's innermost main-thread frame,
@@ -29,13 +31,11 @@ def hang_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def hang_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The rows in words, one line per rank: "segment 2 hung: rank 0 at torch/...:2501 all_reduce"."""
+    """The rows in words, a line per place with the ranks there: "  ranks 0, 2-7: torch/...:2501 all_reduce"."""
     lines = []
     for row in rows:
         lines.append(f"segment {row['segment']} hung; the ranks were at:")
-        for rank, place in row["where"].items():
-            who = rank if rank.startswith("pid ") else f"rank {rank}"
-            lines.append(f"  {who}: {place}")
+        lines += [f"  {who}: {place}" for who, place in by_place(row["where"])]
         lines += [f"  {m}" for m in row["missing"]]
         lines += [f"  NCCL flight recorder: {path}" for path in row["nccl_traces"]]
     return lines
