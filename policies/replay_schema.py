@@ -1,0 +1,38 @@
+"""The `monitor.replay:` section: replay a bad step on the same device to tell data from hardware."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from policies.base import Spec
+
+
+class ReplayConfig(Spec):
+    """Before a rule applies to a non-finite value or a spike, replay the steps up to its onset from the newest
+    snapshot in the memory ring, with the same batches and RNG streams, and compare the metric bit for bit: a
+    different value is a transient hardware fault (`hardware_fault`, evidence `replay_mismatch`) and training
+    goes on from the replayed state; the same value leaves the rule to decide, as without replay."""
+
+    enabled: bool = Field(
+        False, description="Replay before deciding (off by default: it costs the replayed steps)."
+    )
+    max_steps: int = Field(
+        50,
+        ge=1,
+        description="Replay only from a snapshot at most this many steps before the onset (see "
+        "`checkpoint.memory_slots` and the save cadence: the ring must hold one that near).",
+    )
+    on: list[Literal["non_finite", "spike"]] = Field(
+        default_factory=lambda: ["non_finite", "spike"],
+        min_length=1,
+        description="The anomalies replayed: those whose onset is the step just seen.",
+    )
+    budget_seconds: float = Field(
+        300,
+        gt=0,
+        allow_inf_nan=False,
+        description="Skip the replay when the steps to replay would take longer than this (at the recent step "
+        "time); the rule then decides at once.",
+    )

@@ -1,0 +1,302 @@
+"""Replay a bad step to tell data from hardware (the policy's `monitor.replay`), on the same device.
+
+An anomaly whose onset is the step that just ended (a non-finite value, a spike) is not decided at once. The
+state goes back to the newest snapshot in the memory ring before the onset (at most `max_steps` back), and the
+same steps run again: the snapshot holds the data position and every RNG stream, so they see the same batches
+and draw the same numbers. Each replayed step's value of the metric is compared, bit for bit, with what this
+rank logged the first time:
+
+- **different** (`replay_mismatch`): the first run computed it wrongly and the second did not: a transient
+  hardware fault (silent data corruption), named with the rank, host and device where the values first
+  parted. Training goes on from the replayed state: skipping data would be wrong.
+- **the same** (`reproducible_on_same_device`): data or optimisation, or a device that is wrong every time
+  (which only another device can tell). The policy's rule applies to the original anomaly, as without replay.
+- a difference where kernels may be nondeterministic (CUDA without `torch.use_deterministic_algorithms`)
+  proves nothing: `inconclusive`, and the rule applies.
+
+Under DDP every rank replays; each compares its own values, and the first step at which any rank differs
+names the ranks whose results changed (a corrupted rank's own loss parts first: the others see its damage only
+through the next gradient all-reduce). Pure but for the clock: the core carries out the restores and reports.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from supervisor.events import Event
+
+#: The verdicts, in the words the event, `status` and the docs use.
+MISMATCH = "replay_mismatch"
+REPRODUCIBLE = "reproducible_on_same_device"
+INCONCLUSIVE = "inconclusive"
+
+
+class CheckpointLike(Protocol):
+    id: str
+    step: int
+    tiers: Any
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    """The policy's `monitor.replay`, as the training side uses it."""
+
+    enabled: bool = False
+    max_steps: int = 50
+    on: frozenset[str] = frozenset({"non_finite", "spike"})
+    budget_seconds: float = 300.0
+
+    @classmethod
+    def of(cls, spec: Any) -> ReplaySettings:
+        """From the policy's `monitor.replay` section (any object with those attributes; None: off)."""
+        if spec is None:
+            return cls()
+        return cls(bool(spec.enabled), int(spec.max_steps), frozenset(spec.on), float(spec.budget_seconds))
+
+
+def same_bits(a: float | None, b: float | None) -> bool:
+    """Equal bit for bit (as float64: a float32 value converts exactly); any NaN equals any NaN."""
+    if a is None or b is None:
+        return a is b
+    if math.isnan(a) and math.isnan(b):
+        return True
+    return struct.pack("<d", a) == struct.pack("<d", b)
+
+
+class Trail:
+    """This rank's recent metric values by step, and when each step ended: what a replay is compared with."""
+
+    def __init__(self, keep: int):
+        self.keep = max(keep, 1) + 1
+        self._steps: OrderedDict[int, tuple[dict[str, float], float]] = OrderedDict()
+
+    def record(self, step: int, metrics: Mapping[str, float], now: float) -> None:
+        for later in [s for s in self._steps if s >= step]:  # after a rollback: the old branch's steps go
+            del self._steps[later]
+        self._steps[step] = ({k: float(v) for k, v in metrics.items()}, now)
+        while len(self._steps) > self.keep:
+            self._steps.popitem(last=False)
+
+    def values(self, metric: str, after: int, upto: int) -> dict[int, float]:
+        """`metric`'s values at the steps in (after, upto] this rank still holds."""
+        return {s: m[metric] for s, (m, _) in self._steps.items() if after < s <= upto and metric in m}
+
+    def step_seconds(self) -> float | None:
+        """The median time between the recent steps' ends (None before two steps)."""
+        ends = [t for _, t in self._steps.values()]
+        gaps = sorted(b - a for a, b in zip(ends, ends[1:], strict=False) if b >= a)
+        return gaps[len(gaps) // 2] if gaps else None
+
+
+@dataclass
+class Replay:
+    """A replay under way on this rank."""
+
+    event: Event
+    metric: str
+    onset: int
+    from_step: int
+    expected: dict[int, float]
+    started: float
+    first_diff: int | None = None
+    original: float | None = None
+    replayed: float | None = None
+
+
+@dataclass(frozen=True)
+class Local:
+    """One rank's result at the onset: whether (and first where) its values differed."""
+
+    differs: bool
+    first_diff: int | None
+    original: float | None
+    replayed: float | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the replay showed, for every rank alike."""
+
+    verdict: str
+    metric: str
+    onset_step: int
+    from_step: int
+    steps: int
+    seconds: float
+    original: float | None
+    replayed: float | None
+    first_diff_step: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
+    device: str | None = None
+    reason: str = ""
+
+    @property
+    def hardware(self) -> bool:
+        return self.verdict == MISMATCH
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Replayer:
+    """Decides when to replay, remembers what to compare with, and judges the replay. One per rank."""
+
+    def __init__(
+        self,
+        settings: ReplaySettings,
+        *,
+        rank: int = 0,
+        host: str = "",
+        device: str = "cpu",
+        deterministic: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.settings, self.rank, self.host, self.device = settings, rank, host, device
+        self._deterministic, self._clock = deterministic, clock
+        self.trail = Trail(settings.max_steps if settings.enabled else 1)
+        self.active: Replay | None = None
+        self._done: set[tuple[str | None, int | None]] = set()
+
+    def record(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Every step's metrics, on every rank (cheap: a few floats, `max_steps` steps kept)."""
+        if self.settings.enabled:
+            self.trail.record(step, metrics, self._clock())
+
+    def wants(self, event: Event, step: int) -> str | None:
+        """Why this anomaly is not replayed (None: it is, if a snapshot is near enough)."""
+        s = self.settings
+        if not s.enabled:
+            return "replay is off"
+        if event.type not in s.on:
+            return f"monitor.replay.on does not list {event.type}"
+        if event.metric is None or event.onset_step != step:
+            return "its onset is not the step that just ended"
+        if (event.metric, event.onset_step) in self._done:
+            return "this onset was replayed already"
+        return None
+
+    def target(self, candidates: Iterable[CheckpointLike], onset: int) -> tuple[CheckpointLike | None, str]:
+        """The newest snapshot in the memory ring before `onset`, within `max_steps` and the time budget."""
+        ring = [c for c in candidates if "memory" in c.tiers and c.step < onset]
+        near = [c for c in ring if onset - c.step <= self.settings.max_steps]
+        if not near:
+            held = f" (the newest is at step {max(c.step for c in ring)})" if ring else ""
+            return None, f"no snapshot in the memory ring within {self.settings.max_steps} steps{held}"
+        best = max(near, key=lambda c: (c.step, c.id))
+        per_step = self.trail.step_seconds()
+        if per_step is not None and per_step * (onset - best.step) > self.settings.budget_seconds:
+            return None, (
+                f"replaying {onset - best.step} steps would take about {per_step * (onset - best.step):.0f} s, "
+                f"over monitor.replay.budget_seconds ({self.settings.budget_seconds:g})"
+            )
+        return best, ""
+
+    def begin(self, event: Event, from_step: int) -> None:
+        """The state is back at `from_step`: replay up to the event's onset (this rank's own values)."""
+        assert event.metric is not None and event.onset_step is not None
+        self._done.add((event.metric, event.onset_step))
+        expected = self.trail.values(event.metric, from_step, event.onset_step)
+        self.active = Replay(event, event.metric, event.onset_step, from_step, expected, self._clock())
+
+    def begin_named(self, metric: str, onset: int, from_step: int, event: Event) -> None:
+        """`begin` on a rank that did not see the event (under DDP rank 0 names metric and onset)."""
+        self.begin(Event(**{**asdict(event), "metric": metric, "onset_step": onset}), from_step)
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> Local | None:
+        """A replayed step ended: compare; at the onset, this rank's result (None before)."""
+        r = self.active
+        if r is None:
+            return None
+        value = metrics.get(r.metric)
+        value = None if value is None else float(value)
+        if step in r.expected and not same_bits(r.expected[step], value) and r.first_diff is None:
+            r.first_diff = step
+        if step < r.onset:
+            return None
+        r.original, r.replayed = r.expected.get(r.onset), value
+        return Local(r.first_diff is not None, r.first_diff, r.original, r.replayed)
+
+    def abandon(self) -> None:
+        """Another anomaly (or a stop) came first: no verdict."""
+        self.active = None
+
+    def conclude(self, rows: Sequence[Local], hosts: Sequence[str] | None = None) -> Verdict:
+        """Every rank's result (alone: this rank's) -> the verdict, the same on every rank."""
+        r = self.active
+        assert r is not None
+        self.active = None
+        differing = [(i, row) for i, row in enumerate(rows) if row.differs]
+        first = min((row.first_diff for _, row in differing if row.first_diff is not None), default=None)
+        ranks = [i for i, row in differing if row.first_diff == first]
+        shown = rows[ranks[0]] if ranks else rows[0]  # the first rank that parted, else rank 0
+        common = {
+            "metric": r.metric,
+            "onset_step": r.onset,
+            "from_step": r.from_step,
+            "steps": r.onset - r.from_step,
+            "seconds": self._clock() - r.started,
+            "original": shown.original,
+            "replayed": shown.replayed,
+            "first_diff_step": first,
+            "ranks": ranks,
+            "hosts": [hosts[i] for i in ranks if hosts is not None and i < len(hosts)],
+            "device": self.device,
+        }
+        span = f"steps {r.from_step + 1}-{r.onset} replayed from the snapshot at step {r.from_step}"
+        if not differing:
+            return Verdict(
+                REPRODUCIBLE,
+                reason=f"{span}: {r.metric} came out the same, bit for bit: data or optimisation (or a device "
+                "wrong every time), so the policy's rule applies",
+                **common,
+            )
+        where = ", ".join(
+            f"rank {i}" + (f" on {hosts[i]}" if hosts is not None and i < len(hosts) else "") for i in ranks
+        )
+        if self.device.startswith("cuda") and not self._deterministic():
+            return Verdict(
+                INCONCLUSIVE,
+                reason=f"{span}: {r.metric} differed first at step {first} ({where}), but CUDA kernels may be "
+                "nondeterministic (torch.use_deterministic_algorithms is off), so the policy's rule applies",
+                **common,
+            )
+        return Verdict(
+            MISMATCH,
+            reason=f"{span}: {r.metric} differed first at step {first} ({where}; {self.device}): the first run "
+            "computed it wrongly, a transient hardware fault; training goes on from the replayed state",
+            **common,
+        )
+
+
+def hardware_event(verdict: Verdict, original: Event, wall_time: float) -> Event:
+    """The `hardware_fault` a mismatch is: evidence `replay_mismatch`, naming the ranks, hosts and device."""
+    return Event(
+        type="hardware_fault",
+        reason=verdict.reason,
+        metric=verdict.metric,
+        onset_step=verdict.first_diff_step or verdict.onset_step,
+        step=verdict.onset_step,
+        value=verdict.original,
+        wall_time=wall_time,
+        source="in_process",
+        evidence={
+            "evidence": MISMATCH,
+            "ranks": verdict.ranks,
+            "hosts": verdict.hosts,
+            "device": verdict.device,
+            "anomaly": original.type,
+            "replay": verdict.to_dict(),
+        },
+    )
+
+
+def with_verdict(event: Event, verdict: Verdict) -> Event:
+    """The original anomaly with the replay's verdict in its evidence (the rule then applies to it)."""
+    return Event(**{**asdict(event), "evidence": {**event.evidence, "replay": verdict.to_dict()}})

@@ -1,0 +1,169 @@
+"""The replay's pure part (supervisor/runtime/replay.py): when it replays, from where, and its verdicts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from supervisor.events import Event
+from supervisor.runtime.replay import (
+    INCONCLUSIVE,
+    MISMATCH,
+    REPRODUCIBLE,
+    Local,
+    Replayer,
+    ReplaySettings,
+    Trail,
+    hardware_event,
+    same_bits,
+    with_verdict,
+)
+
+ON = ReplaySettings(enabled=True, max_steps=10, budget_seconds=60.0)
+
+
+@dataclass
+class Ckpt:
+    id: str
+    step: int
+    tiers: tuple[str, ...] = ("memory", "local")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def nan_at(step: int, metric: str = "loss") -> Event:
+    return Event("non_finite", "loss is nan", metric=metric, onset_step=step, step=step, value=math.nan)
+
+
+def test_bits_not_values_decide():
+    assert same_bits(1.5, 1.5) and same_bits(math.nan, float("nan"))
+    assert not same_bits(0.0, -0.0)  # equal as numbers, different bits
+    assert not same_bits(1.0, math.nextafter(1.0, 2.0))
+    assert not same_bits(None, 1.0) and same_bits(None, None)
+
+
+def test_the_trail_keeps_max_steps_and_forgets_an_abandoned_branch():
+    trail = Trail(3)
+    for step in range(1, 8):
+        trail.record(step, {"loss": float(step)}, now=step * 0.5)
+    assert trail.values("loss", 0, 10) == {4: 4.0, 5: 5.0, 6: 6.0, 7: 7.0}
+    assert trail.step_seconds() == 0.5
+    trail.record(5, {"loss": 50.0}, now=9.0)  # a rollback to step 4: steps 5.. of the old branch go
+    assert trail.values("loss", 0, 10) == {4: 4.0, 5: 50.0}
+
+
+def test_only_listed_anomalies_at_the_step_just_ended_are_replayed_and_each_onset_once():
+    r = Replayer(ON)
+    assert r.wants(nan_at(9), 9) is None
+    assert r.wants(nan_at(9), 10) == "its onset is not the step that just ended"
+    assert "does not list divergence" in (r.wants(Event("divergence", "up", "loss", 9, 9), 9) or "")
+    assert Replayer(ReplaySettings()).wants(nan_at(9), 9) == "replay is off"
+    r.begin(nan_at(9), 6)
+    assert r.wants(nan_at(9), 9) == "this onset was replayed already"
+
+
+def test_the_newest_memory_snapshot_before_the_onset_within_max_steps_and_the_budget():
+    clock = Clock()
+    r = Replayer(ON, clock=clock)
+    ring = [Ckpt("a", 2), Ckpt("b", 5), Ckpt("c", 8, ("local",)), Ckpt("d", 12)]
+    assert r.target(ring, 12)[0] == Ckpt("b", 5)  # not c (disk only), not d (at the onset)
+    target, why = r.target(ring, 40)
+    assert (
+        target is None and why == "no snapshot in the memory ring within 10 steps (the newest is at step 12)"
+    )
+    for step in range(1, 6):
+        clock.now = step * 20.0  # 20 s a step: 7 steps would take 140 s, over the 60 s budget
+        r.record(step, {"loss": 1.0})
+    target, why = r.target(ring, 12)
+    assert target is None and "about 140 s, over monitor.replay.budget_seconds (60)" in why
+
+
+def _replay(r: Replayer, first: dict[int, float], again: dict[int, float], onset: int, start: int) -> Local:
+    for step, value in first.items():
+        r.record(step, {"loss": value})
+    r.begin(nan_at(onset), start)
+    out = None
+    for step, value in again.items():
+        r.record(step, {"loss": value})
+        out = r.observe(step, {"loss": value})
+        assert (out is None) == (step < onset)
+    assert out is not None
+    return out
+
+
+def test_a_replay_that_parts_from_the_first_run_is_a_transient_hardware_fault_named_where_it_parted():
+    r = Replayer(ON, rank=0, host="node-a", device="cpu")
+    first = {4: 1.0, 5: 0.9, 6: 0.8, 7: math.nan}
+    local = _replay(r, first, {5: 0.9, 6: 0.7, 7: 0.6}, onset=7, start=4)
+    assert (local.differs, local.first_diff, local.replayed) == (True, 6, 0.6) and math.isnan(local.original)
+    verdict = r.conclude([local], ["node-a"])
+    assert verdict.verdict == MISMATCH and verdict.hardware
+    assert (verdict.first_diff_step, verdict.ranks, verdict.hosts, verdict.steps) == (6, [0], ["node-a"], 3)
+    assert math.isnan(verdict.original) and verdict.replayed == 0.6
+    assert "differed first at step 6 (rank 0 on node-a; cpu)" in verdict.reason
+    event = hardware_event(verdict, nan_at(7), 123.0)
+    assert (event.type, event.evidence["evidence"], event.evidence["ranks"]) == (
+        "hardware_fault",
+        MISMATCH,
+        [0],
+    )
+    assert r.active is None
+
+
+def test_a_replay_that_comes_out_the_same_bit_for_bit_leaves_the_rule_to_decide():
+    r = Replayer(ON)
+    first = {4: 1.0, 5: 0.9, 6: 0.8, 7: math.nan}
+    verdict = r.conclude([_replay(r, first, {5: 0.9, 6: 0.8, 7: math.nan}, onset=7, start=4)])
+    assert verdict.verdict == REPRODUCIBLE and not verdict.hardware and verdict.first_diff_step is None
+    assert "came out the same, bit for bit" in verdict.reason
+    event = with_verdict(nan_at(7), verdict)
+    assert event.type == "non_finite" and event.evidence["replay"]["verdict"] == REPRODUCIBLE
+
+
+def test_on_cuda_without_deterministic_kernels_a_difference_proves_nothing():
+    r = Replayer(ON, device="cuda:0", deterministic=lambda: False)
+    local = _replay(r, {4: 1.0, 5: math.nan}, {5: 0.5}, onset=5, start=4)
+    verdict = r.conclude([local])
+    assert verdict.verdict == INCONCLUSIVE and "nondeterministic" in verdict.reason
+
+
+def test_under_ddp_the_first_step_at_which_any_rank_parts_names_the_ranks():
+    # Rank 1 was corrupted at step 5: its own loss parts at step 6; rank 0's only at step 7 (the all-reduce).
+    rows = [Local(True, 7, 9.0, 1.0), Local(True, 6, 2.0, 1.1), Local(False, None, 1.2, 1.2)]
+    r = Replayer(ON, rank=2)
+    r.begin(nan_at(8), 4)
+    verdict = r.conclude(rows, ["h0", "h1", "h2"])
+    assert (verdict.verdict, verdict.ranks, verdict.hosts, verdict.first_diff_step) == (
+        MISMATCH,
+        [1],
+        ["h1"],
+        6,
+    )
+    assert (verdict.original, verdict.replayed) == (2.0, 1.1)  # the parting rank's values
+
+
+def test_settings_from_the_policy_section():
+    @dataclass
+    class Spec:
+        enabled: bool = True
+        max_steps: int = 7
+        on: tuple[str, ...] = ("spike",)
+        budget_seconds: float = 9.0
+
+    assert ReplaySettings.of(Spec()) == ReplaySettings(True, 7, frozenset({"spike"}), 9.0)
+    assert ReplaySettings.of(None) == ReplaySettings()
+
+
+@pytest.mark.parametrize("onset", [5, 6])
+def test_a_rank_with_no_value_at_a_step_compares_what_it_has(onset):
+    r = Replayer(ON)
+    local = _replay(r, {4: 1.0, 5: 2.0, 6: 3.0}, {5: 2.0, 6: 3.0}, onset=onset, start=4)
+    assert not local.differs
