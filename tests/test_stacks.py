@@ -20,12 +20,14 @@ from supervisor.events import Event
 from supervisor.lineage.record import LineageRecord, SegmentRecord
 from supervisor.monitor import stack_dump
 from supervisor.monitor.stacks import (
+    MAX_FRAMES,
     SUMMARY_CHARS,
     Frame,
     HangStacks,
     RankStacks,
     ThreadStack,
     by_place,
+    compact,
     parse_faulthandler,
     parse_py_spy,
     rank_ranges,
@@ -228,6 +230,19 @@ def test_at_scale_the_ranks_at_one_place_are_one_group_and_the_odd_one_stands_ou
     ]
 
 
+def test_the_record_keeps_every_thread_of_a_small_job_and_of_one_rank_per_place_in_a_large_one():
+    deep = _thread(2, *[("/work/train.py", n, f"f{n}") for n in range(150)])
+    collective = _thread(2, (f"{SITE}/torch/distributed/distributed_c10d.py", 2501, "all_reduce"))
+    small = [RankStacks(r, "h", r, (WORKER, MAIN), main_thread=2) for r in range(3)]
+    assert compact(small) == tuple(small)
+    large = [RankStacks(r, "h", r, (WORKER, collective), main_thread=2) for r in range(40)]
+    large[7] = RankStacks(7, "h", 7, (WORKER, deep), main_thread=2)
+    kept = compact(large)
+    assert [len(r.threads) for r in kept] == [2] + [1] * 6 + [2] + [1] * 32  # rank 0 and rank 7 in full
+    assert [r.where() for r in kept] == [r.where() for r in large]  # where each rank was is never lost
+    assert len(kept[7].main().frames) == MAX_FRAMES and kept[7].main().frames[0].function == "f0"
+
+
 def test_hang_stacks_round_trip_through_json_and_the_segment_record():
     stacks = HangStacks(
         (
@@ -237,6 +252,7 @@ def test_hang_stacks_round_trip_through_json_and_the_segment_record():
         missing=("rank 2 (pid 12 on far): on another host",),
         collected_at=1.5,
         seconds=0.25,
+        dumps="/work/stacks/segment-1",
     )
     doc = json.loads(json.dumps(stacks.to_dict()))
     assert doc["where"] == {"0": "train.py:42 step", "1": "train.py:42 step"}
@@ -306,7 +322,7 @@ def test_collect_signals_every_armed_rank_and_parses_its_stacks(tmp_path: Path):
     finally:
         for child in children:
             _end(child)
-    assert took < 2.0 and stacks.missing == ()
+    assert took < 2.0 and stacks.missing == () and stacks.dumps == str(directory)
     assert [(r.rank, r.pid, r.host) for r in stacks.ranks] == [
         (0, children[0].pid, socket.gethostname()),
         (1, children[1].pid, socket.gethostname()),

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from supervisor.monitor.stacks import HangStacks, RankStacks, parse_faulthandler, parse_py_spy
+from supervisor.monitor.stacks import HangStacks, RankStacks, compact, parse_faulthandler, parse_py_spy
 
 log = logging.getLogger("rollback_supervisor.monitor")
 
@@ -219,7 +219,12 @@ def collect(
             missing.append(f"no stacks: {unarmed} {why}")
     traces = _await_nccl(fired, directory, wall, started + timeout, clock, sleep) if fired else []
     return HangStacks(
-        tuple(ranks), tuple(missing), tuple(traces), collected_at=wall, seconds=clock() - started
+        compact(ranks),
+        tuple(missing),
+        tuple(traces),
+        collected_at=wall,
+        seconds=clock() - started,
+        dumps=str(directory) if waiting else None,
     )
 
 

@@ -5,9 +5,10 @@ Pure: text in, records out. `supervisor.monitor.stack_dump` asks the ranks for t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 #: faulthandler's thread header: "Thread 0x00007f... (most recent call first):", "Current thread 0x...",
@@ -26,6 +27,10 @@ _SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>.+):(?P<line>\d+)\)\s*$
 _PATH_ROOTS = re.compile(r".*/(?:site-packages|dist-packages|lib/python\d+(?:\.\d+)?)/")
 #: The most characters of the one-line summary an event carries.
 SUMMARY_CHARS = 1000
+#: Up to this many ranks the record keeps every thread of every rank (see `compact`).
+FULL_RANKS = 16
+#: The most frames the record keeps of one thread, innermost first (a deep recursion is cut).
+MAX_FRAMES = 100
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ class RankStacks:
         main = self.main()
         return main.frames[0].where() if main is not None and main.frames else None
 
+    def main_only(self) -> RankStacks:
+        """This rank with its main thread alone (what a large job's record keeps of most ranks)."""
+        main = self.main()
+        return dataclasses.replace(self, threads=(main,) if main is not None else ())
+
     def in_module(self, fragment: str) -> bool:
         """Whether any frame of the main thread is in a file whose path contains `fragment`."""
         main = self.main()
@@ -135,7 +145,9 @@ class HangStacks:
     nccl_traces: tuple[str, ...] = ()  #: files torch's NCCL flight recorder dumped
     collected_at: float | None = None
     seconds: float | None = None  #: how long the collection took
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    dumps: str | None = (
+        None  #: the directory of the ranks' raw dumps (the record may keep less, see `compact`)
+    )
 
     def summary(self) -> str:
         """Where each rank was, in one line: "rank 0: a.py:3 f; rank 1: b.py:9 g"."""
@@ -154,7 +166,9 @@ class HangStacks:
             out["collected_at"] = self.collected_at
         if self.seconds is not None:
             out["seconds"] = round(self.seconds, 3)
-        return {**out, **self.extra}
+        if self.dumps is not None:
+            out["dumps"] = self.dumps
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HangStacks:
@@ -164,7 +178,30 @@ class HangStacks:
             nccl_traces=tuple(str(p) for p in data.get("nccl_traces") or ()),
             collected_at=data.get("collected_at"),
             seconds=data.get("seconds"),
+            dumps=data.get("dumps"),
         )
+
+
+def compact(
+    ranks: Iterable[RankStacks], full: int = FULL_RANKS, frames: int = MAX_FRAMES
+) -> tuple[RankStacks, ...]:
+    """What the lineage record keeps: every thread of up to `full` ranks, and beyond that of the first rank at
+    each place only (the others keep their main thread); at most `frames` innermost frames a thread.
+
+    A thousand ranks' every thread would make the record tens of MiB; the raw dumps stay on disk.
+    """
+    ranks = tuple(ranks)
+    keep_all = len(ranks) <= full
+    seen: set[str | None] = set()
+    kept = []
+    for rank in ranks:
+        place = rank.where()
+        if not keep_all and place in seen:
+            rank = rank.main_only()
+        seen.add(place)
+        threads = tuple(dataclasses.replace(t, frames=t.frames[:frames]) for t in rank.threads)
+        kept.append(dataclasses.replace(rank, threads=threads))
+    return tuple(kept)
 
 
 def short_path(path: str) -> str:
