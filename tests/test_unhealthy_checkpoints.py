@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from policies import History, decide, parse_policy
+from policies.records import to_records
 from supervisor.checkpoint import CheckpointManager, CheckpointOptions, open_store
 from supervisor.checkpoint.fastcopy import _PIECE, nonfinite_in
 from supervisor.checkpoint.manifest import MANIFEST, Manifest
@@ -17,7 +18,6 @@ from supervisor.cli import main
 from supervisor.errors import CheckpointNotFound
 from supervisor.events import Event
 from supervisor.runtime.plan import LaunchPlan
-from policies.records import to_records
 from supervisor.runtime.wiring import checkpoint_options
 from supervisor.state import TrainingState
 
