@@ -120,8 +120,35 @@ class HangSpec(Spec):
     )
 
 
+class StragglerSpec(Spec):
+    """Fire when one rank's step takes `factor` x the other ranks' median for `patience` consecutive steps."""
+
+    TAG: ClassVar[str] = "straggler"
+    type: Literal["straggler"] = Field(
+        description="Detector kind: `straggler` fires when one rank is persistently slower than the others "
+        "(under torchrun; each rank's time is what it spends outside the step's agreement)."
+    )
+    factor: float = Field(
+        2.0,
+        gt=1,
+        allow_inf_nan=False,
+        description="The slow rank's step time must be at least this multiple of the other ranks' median.",
+    )
+    patience: int = Field(
+        5, ge=1, description="Consecutive steps the same rank must be that slow before firing."
+    )
+    min_gap_seconds: float = Field(
+        0.05,
+        ge=0,
+        allow_inf_nan=False,
+        description="And at least this many seconds slower than the median: tiny steps jitter by large factors.",
+    )
+
+
 #: Any one detector's settings; each field's default and bounds are defined here and nowhere else.
-AnyDetectorSpec = NonFiniteSpec | SpikeSpec | DivergenceSpec | ThresholdSpec | PlateauSpec | HangSpec
+AnyDetectorSpec = (
+    NonFiniteSpec | SpikeSpec | DivergenceSpec | ThresholdSpec | PlateauSpec | HangSpec | StragglerSpec
+)
 DetectorSpec = Annotated[AnyDetectorSpec, Field(discriminator="type")]
 DETECTOR_SPECS: tuple[type[Spec], ...] = (
     NonFiniteSpec,
@@ -130,6 +157,7 @@ DETECTOR_SPECS: tuple[type[Spec], ...] = (
     ThresholdSpec,
     PlateauSpec,
     HangSpec,
+    StragglerSpec,
 )
 DETECTOR_TYPES: tuple[str, ...] = tuple(cls.TAG for cls in DETECTOR_SPECS)  # type: ignore[attr-defined]
 

@@ -23,6 +23,10 @@ EXPECTED = {
     "hang": "hang",
     "oom": "oom",
     "exc": "software_error",
+    "sdc": "non_finite",  # a top exponent bit: usually a non-finite loss, a spike where the value stays finite
+    "sdc_persistent": "non_finite",
+    "slow": "straggler",  # with a straggler detector
+    "stuck": "hang",
 }
 #: Kinds that leave the run recoverable under a typical policy; `oom` and `exc` usually end it.
 STANDARD_MIX = ("spike", "nan", "kill", "term", "hw")

@@ -13,6 +13,7 @@ EventType = Literal[
     "threshold",
     "plateau",
     "hang",
+    "straggler",
     "preemption",
     "hardware_fault",
     "oom",
@@ -23,8 +24,8 @@ EventType = Literal[
 #: Every event type a policy may name in `when:`.
 EVENT_TYPES: tuple[str, ...] = EventType.__args__  # type: ignore[attr-defined]
 
-#: Events found in metrics (the training math went wrong).
-METRIC_EVENTS = frozenset({"non_finite", "spike", "divergence", "threshold", "plateau"})
+#: Events found in metrics (the training math went wrong, or, for `straggler`, one rank's step times).
+METRIC_EVENTS = frozenset({"non_finite", "spike", "divergence", "threshold", "plateau", "straggler"})
 #: Events found from the process (the machine or the program went wrong).
 PROCESS_EVENTS = frozenset({"hang", "preemption", "hardware_fault", "oom", "software_error", "unknown_exit"})
 

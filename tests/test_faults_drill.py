@@ -214,3 +214,20 @@ def test_stuck_blocks_its_rank_for_good_after_recording_it(tmp_path: Path):
     relaunched = FaultInjector(parse_faults("stuck@4:rank1"), fired, rank=1, sleep=sleep)
     relaunched.after_step(4)  # once per lineage
     assert len(slept) == 3
+
+
+def test_sdc_flips_an_element_every_step_uses_not_an_unused_embedding_row(tmp_path: Path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 4), torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        model[1].weight.mul_(100)  # so the embedding rows in use get the largest gradients by far
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # no update: only the flip changes a parameter
+    injector = FaultInjector(parse_faults("sdc@1"), tmp_path / "f.json")
+    opt.register_step_pre_hook(lambda o, a, k: injector.before_optimizer_step(1, [o]))
+    opt.register_step_post_hook(lambda o, a, k: injector.after_optimizer_step([o]))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    assert model[0].weight.grad.abs().max() > model[1].weight.grad.abs().max()
+    opt.step()
+    changed = [int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before, strict=True)]
+    assert changed == [0, 1, 0]  # one element of the Linear's weight (dense gradient), the largest one there

@@ -102,6 +102,8 @@ class TwoRanks:
 class FakeRank:
     """One rank's `Collective` over `TwoRanks` (nothing but the agreement is exercised here)."""
 
+    world_size = 2
+
     def __init__(self, ranks: TwoRanks, rank: int):
         self._ranks, self.rank = ranks, rank
 

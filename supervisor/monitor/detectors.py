@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,6 +25,13 @@ from supervisor.events import Event
 _MAD_TO_SIGMA = 1.4826
 #: Phases in which a slow step is expected (checkpoint save, validation) rather than a stall.
 TRAIN_PHASE = "train"
+
+#: What rank 0 logs each step under torchrun for the straggler detector (`rank_step_metrics`): the slowest
+#: rank's step time, the median of the other ranks' and which rank was slowest.
+SLOWEST_STEP_S = "ranks/slowest_step_s"
+OTHERS_STEP_S = "ranks/others_median_step_s"
+SLOWEST_RANK = "ranks/slowest_rank"
+RANK_METRICS = (SLOWEST_STEP_S, OTHERS_STEP_S, SLOWEST_RANK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +310,84 @@ class PlateauDetector:
     def reset(self) -> None:
         self._best = self._best_step = self._onset = None
         self._wait, self._fired = 0, False
+
+
+def rank_step_metrics(step_s: Sequence[float]) -> dict[str, float]:
+    """The straggler detector's three metrics from every rank's step time (none for fewer than 2 ranks)."""
+    if len(step_s) < 2:
+        return {}
+    slowest = max(range(len(step_s)), key=step_s.__getitem__)
+    others = [t for rank, t in enumerate(step_s) if rank != slowest]
+    return {
+        SLOWEST_STEP_S: step_s[slowest],
+        OTHERS_STEP_S: statistics.median(others),
+        SLOWEST_RANK: float(slowest),
+    }
+
+
+class StragglerDetector:
+    """Fires when one rank's step time is `factor` x the other ranks' median for `patience` consecutive steps.
+
+    Reads the three `RANK_METRICS` of each step (in any order; a step missing one is skipped). The slowest
+    rank must also be `min_gap_seconds` slower than the median, since tiny steps jitter by large factors.
+    Latches after firing; re-arms once that rank keeps up again (or another rank is the slow one).
+    """
+
+    type = "straggler"
+
+    def __init__(self, *, factor: float, patience: int, min_gap_seconds: float):
+        self.metrics = frozenset(RANK_METRICS)
+        self.factor, self.patience, self.min_gap_seconds = factor, patience, min_gap_seconds
+        self.reset()
+
+    def reset(self) -> None:
+        self._step: int | None = None
+        self._values: dict[str, float] = {}
+        self._rank: int | None = None  # the rank of the current streak
+        self._onset: int | None = None
+        self._streak = 0
+        self._fired = False
+
+    def observe(self, point: Point) -> Event | None:
+        if point.metric not in self.metrics:
+            return None
+        if point.step != self._step:
+            self._step, self._values = point.step, {}
+        self._values[point.metric] = point.value
+        if len(self._values) < len(self.metrics):
+            return None
+        step_s, median = self._values[SLOWEST_STEP_S], self._values[OTHERS_STEP_S]
+        rank = int(self._values[SLOWEST_RANK])
+        self._values = {}  # judged: a repeated point of this step is not judged twice
+        slow = step_s >= self.factor * median and step_s - median >= self.min_gap_seconds
+        if not slow:
+            self._rank, self._onset, self._streak, self._fired = None, None, 0, False
+            return None
+        if rank != self._rank:
+            self._rank, self._onset, self._streak, self._fired = rank, point.step, 0, False
+        self._streak += 1
+        if self._streak < self.patience or self._fired:
+            return None
+        self._fired = True
+        ratio = step_s / median if median > 0 else math.inf
+        return Event(
+            type=self.type,
+            reason=f"rank {rank} took {step_s:.3g} s per step, {ratio:.1f} x the other ranks' median "
+            f"({median:.3g} s), for {self._streak} steps (factor {self.factor:g})",
+            metric=SLOWEST_STEP_S,
+            onset_step=self._onset,
+            step=point.step,
+            value=step_s,
+            wall_time=point.wall_time,
+            evidence={
+                "rank": rank,
+                "step_s": step_s,
+                "median_s": median,
+                "ratio": ratio,
+                "factor": self.factor,
+                "streak": self._streak,
+            },
+        )
 
 
 class HangDetector:

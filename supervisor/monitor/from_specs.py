@@ -15,6 +15,7 @@ from policies.monitor_schema import (
     NonFiniteSpec,
     PlateauSpec,
     SpikeSpec,
+    StragglerSpec,
     ThresholdSpec,
 )
 from supervisor.errors import PolicyError, UserError
@@ -25,6 +26,7 @@ from supervisor.monitor.detectors import (
     NonFiniteDetector,
     PlateauDetector,
     SpikeDetector,
+    StragglerDetector,
     ThresholdDetector,
 )
 
@@ -36,6 +38,7 @@ DETECTOR_FOR: dict[type[AnyDetectorSpec], type[Detector]] = {
     ThresholdSpec: ThresholdDetector,
     PlateauSpec: PlateauDetector,
     HangSpec: HangDetector,
+    StragglerSpec: StragglerDetector,
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -123,7 +124,11 @@ class TrainingCore:
         self.decider = StepDecider(
             cadence,
             DetectorSet(build_detectors(specs), source="in_process"),
-            Agreement(dist.agree) if dist is not None else None,
+            (
+                Agreement(dist.agree, rank=dist.rank, world_size=dist.world_size, host=socket.gethostname())
+                if dist is not None
+                else None
+            ),
             observes=dist is None or dist.is_writer,
             clock=clock,
         )
@@ -296,7 +301,9 @@ class TrainingCore:
 
     def _agree(self, events: list[Event], step: int, *, due: bool, writing: bool) -> Action:
         """One all_reduce per step: an anomaly or a stop anywhere stops every rank; a save is taken together."""
-        agreed = self.decider.agree(events, self.outcome.pending, due=due, writing=writing)
+        agreed = self.decider.agree(events, self.outcome.pending, due=due, writing=writing, step=step)
+        if self.decider.rank_metrics is not None:  # every rank's step time, for the straggler detector
+            self.outputs.metrics.log(self.decider.rank_metrics[1], step)
         store = self.resources.store
         if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
             return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)

@@ -3,11 +3,13 @@ under DDP what every rank agrees on. The only writer of the save cadence."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 from supervisor.events import Event
 from supervisor.monitor import DetectorSet, Point
+from supervisor.monitor.detectors import rank_step_metrics
 from supervisor.runtime.agreement import Agreement, StepView
 from supervisor.runtime.cadence import Cadence
 from supervisor.runtime.stops import StopRequest
@@ -36,11 +38,14 @@ class StepDecider:
         self.cadence, self._detectors, self.agreement = cadence, detectors, agreement
         self._observes, self._clock, self._wall = observes, clock, wall
         self._last_beat = 0.0
+        #: Under DDP, the last agreed step and its per-rank metrics (`rank_step_metrics`), until observed.
+        self.rank_metrics: tuple[int, dict[str, float]] | None = None
 
     def restarted(self, step: int) -> None:
         """The state was restored to `step`: the detectors start a new segment, the cadence counts from here."""
         self._detectors.reset_segment()
         self.cadence.start(step, self._clock())
+        self.rank_metrics = None
 
     def tick(self) -> tuple[float, bool]:
         """A step ended now: (now, whether to beat the heartbeat and poll the stop sources)."""
@@ -57,11 +62,25 @@ class StepDecider:
             return []
         wall = self._wall()
         segment = self._detectors.segment
-        return [
-            event
-            for key, value in metrics.items()
-            for event in self._detectors.observe(Point(key, step, float(value), wall, segment))
-        ]
+        points = [Point(key, step, float(value), wall, segment) for key, value in metrics.items()]
+        if self.rank_metrics is not None:  # the previous step's, known once every rank agreed on it
+            ranks_step, ranks = self.rank_metrics
+            points[:0] = [Point(key, ranks_step, value, wall, segment) for key, value in ranks.items()]
+            self.rank_metrics = None
+        return [self._with_host(event) for point in points for event in self._detectors.observe(point)]
+
+    def _with_host(self, event: Event) -> Event:
+        """A straggler event names the host its rank runs on (as the first agreement told every rank)."""
+        ranks = self.agreement.ranks if self.agreement is not None else None
+        rank = event.evidence.get("rank")
+        if (
+            event.type != "straggler"
+            or ranks is None
+            or not isinstance(rank, int)
+            or rank >= len(ranks.hosts)
+        ):
+            return event
+        return dataclasses.replace(event, evidence={**event.evidence, "host": ranks.hosts[rank]})
 
     def save_due(self, step: int, now: float, *, writing: bool, stopping: bool, final: bool) -> bool:
         """Whether the save policy checkpoints `step` (`writing`: the store has a write in flight)."""
@@ -72,14 +91,27 @@ class StepDecider:
         return self.cadence.due(step, self._clock())
 
     def agree(
-        self, events: list[Event], pending: StopRequest | None, *, due: bool, writing: bool
+        self,
+        events: list[Event],
+        pending: StopRequest | None,
+        *,
+        due: bool,
+        writing: bool,
+        step: int | None = None,
     ) -> StepView:
-        """Under DDP, every rank's merged view; this rank defers a save for its write only if its policy does."""
+        """Under DDP, every rank's merged view; this rank defers a save for its write only if its policy does.
+
+        `step`: the step that ended, whose per-rank times (if the agreement carries them) become `rank_metrics`.
+        """
         if self.agreement is None:
             raise RuntimeError("StepDecider.agree() is for DDP: build it with an Agreement")
         defer = writing and self.cadence.defers_while_writing
         mine = StepView(bool(events), pending.mode if pending else None, due, defer)
-        return self.agreement.agree(mine)
+        merged = self.agreement.agree(mine)
+        ranks = self.agreement.ranks
+        if step is not None and ranks is not None and (metrics := rank_step_metrics(ranks.step_s)):
+            self.rank_metrics = (step, metrics)
+        return merged
 
     @property
     def may_stop(self) -> bool:

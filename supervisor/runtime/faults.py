@@ -206,8 +206,7 @@ class FaultInjector:
                     g["lr"] = g["lr"] * SPIKE_LR_FACTOR
 
     def _arm_sdc(self, step: int, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Pick the element an sdc fault flips once the update is applied: the largest gradient's, so the
-        next step's loss depends on it."""
+        """Pick the element an sdc fault flips once the update is applied (`_largest_gradient`)."""
         if self._sdc_step == step:
             return  # a second optimizer of the same step
         fault = self.due(step, SDC_KINDS)
@@ -267,15 +266,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _largest_gradient(optimizers: list[torch.optim.Optimizer]) -> tuple[torch.Tensor, int] | None:
-    """The first floating parameter with a gradient, and the flat index of its largest gradient."""
+    """The parameter element with the largest gradient, preferring parameters whose every element has one.
+
+    A dense gradient means every element took part in this step (an embedding's unused rows have none), so
+    the next step's loss depends on the element too.
+    """
+    best: tuple[tuple[bool, float], torch.Tensor, int] | None = None
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                grad = p.grad
-                if grad is None or not p.is_floating_point() or _local(p).numel() == 0:
+                if p.grad is None or not p.is_floating_point() or _local(p).numel() == 0:
                     continue
-                return _local(p.detach()), int(_local(grad).detach().abs().argmax())
-    return None
+                size = _local(p.grad).detach().abs().flatten()
+                largest, index = torch.max(size, 0)
+                key = (bool(size.min() > 0), float(largest))
+                if best is None or key > best[0]:
+                    best = (key, _local(p.detach()), int(index))
+    return None if best is None else best[1:]
 
 
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
