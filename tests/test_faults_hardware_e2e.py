@@ -35,7 +35,7 @@ name: straggler
 checkpoint: {every_steps: 2, keep_last: 2, storage: ./checkpoints}
 monitor:
   detectors:
-    - {type: straggler, factor: 3, patience: 3, min_gap_seconds: 0.1}
+    - {type: straggler, factor: 2.5, patience: 3, min_gap_seconds: 0.1}
 rules:
   - when: [straggler]
     action: resume
@@ -88,15 +88,16 @@ def bits(value: float) -> bytes:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_slow_rank_becomes_a_straggler_event_naming_it_and_its_host(tmp_path: Path):
-    proc = segment(tmp_path, "slow@3:rank1:0.3s", STRAGGLER_POLICY, 20, ranks=2)
-    assert "injecting slow@3:rank1:0.3s on rank 1" in proc.stderr
+    # 0.6 s a step against the ~0.03 s of a step of the tiny example: 2.5 x holds on a loaded machine too
+    proc = segment(tmp_path, "slow@3:rank1:0.6s", STRAGGLER_POLICY, 20, ranks=2)
+    assert "injecting slow@3:rank1:0.6s on rank 1" in proc.stderr
     reports = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert len(reports) == 1, reports
     event = reports[0]["event"]
     assert event["type"] == "straggler" and event["source"] == "in_process"
     evidence = event["evidence"]
     assert evidence["rank"] == 1 and evidence["host"] == socket.gethostname()
-    assert evidence["step_s"] >= 0.3 and evidence["step_s"] >= 3 * evidence["median_s"]
+    assert evidence["step_s"] >= 0.6 and evidence["step_s"] >= 2.5 * evidence["median_s"]
     assert event["onset_step"] == 3 and event["step"] == 5  # three slow steps in a row: patience 3
     assert reports[0]["decision"]["action"] == "resume" and not reports[0]["handled_in_process"]
     assert proc.returncode != 0  # every rank stopped (exit 76) for the supervisor to relaunch

@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from supervisor.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a fault fires: parsing a drill (the supervisor's side) needs none
+    import torch
 
 FAULTS_ENV = "ROLLBACK_SUPERVISOR_FAULTS"
 
@@ -252,6 +254,8 @@ class FaultInjector:
             print("RuntimeError: CUDA error: unspecified launch failure", file=sys.stderr, flush=True)
             os._exit(1)
         elif fault.kind == "oom":
+            import torch
+
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB "
                 "of which 1.12 GiB is free. (injected by the fault drill)"
@@ -271,6 +275,8 @@ def _largest_gradient(optimizers: list[torch.optim.Optimizer]) -> tuple[torch.Te
     A dense gradient means every element took part in this step (an embedding's unused rows have none), so
     the next step's loss depends on the element too.
     """
+    import torch
+
     best: tuple[tuple[bool, float], torch.Tensor, int] | None = None
     for opt in optimizers:
         for group in opt.param_groups:
@@ -285,15 +291,14 @@ def _largest_gradient(optimizers: list[torch.optim.Optimizer]) -> tuple[torch.Te
     return None if best is None else best[1:]
 
 
-_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def flip_top_exponent_bit(tensor: torch.Tensor, index: int) -> None:
     """Flip the highest exponent bit of element `index` (flat) of a floating `tensor`, in place.
 
     For a value below 2 in magnitude that multiplies it by 2**128 (float32): one bit, a loud result.
     """
+    import torch
+
     where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape))
     element = tensor[where]  # a view: integer indices, not a tensor index (which would copy)
-    word = element.view(_SAME_SIZE_INT[tensor.element_size()])
+    word = element.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
     word.bitwise_xor_(1 << (8 * tensor.element_size() - 2))
