@@ -145,7 +145,7 @@ def test_the_spec_builds_the_detector_with_its_settings_and_a_rule_may_name_the_
         ("{type: straggler, factor: slow}", "factor: expected a number"),
         ("{type: straggler, patience: 0}", "patience: expected an integer >= 1, got 0"),
         ("{type: straggler, min_gap_seconds: -1}", "min_gap_seconds: expected a number >= 0, got -1"),
-        ("{type: straggler, ranks: 4}", "ranks"),
+        ("{type: straggler, ranks: 4}", 'ranks: expected a known key, got unknown key "ranks"'),
     ],
 )
 def test_bad_spec_values_name_the_key_what_was_expected_and_what_was_found(detector, message):
