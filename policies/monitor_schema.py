@@ -8,6 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from policies.base import Spec, problem, show
+from policies.replay_schema import ReplayConfig
 
 Mode = Literal["min", "max"]
 
@@ -224,6 +225,10 @@ class MonitorConfig(Spec):
     )
     preemption_notice: PreemptionNotice = Field(
         default_factory=PreemptionNotice, description="Advance preemption notice polled from the cloud."
+    )
+    replay: ReplayConfig = Field(
+        default_factory=ReplayConfig,
+        description="Replay a non-finite value or a spike from a memory snapshot before deciding: data or hardware?",
     )
 
     @model_validator(mode="after")

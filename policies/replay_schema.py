@@ -10,7 +10,7 @@ from policies.base import Spec
 
 
 class ReplayConfig(Spec):
-    """Before a rule applies to a non-finite value or a spike, replay the steps up to its onset from the newest
+    """Before a rule applies to a non-finite value, a spike or a threshold crossed, replay the steps up to its onset from the newest
     snapshot in the memory ring, with the same batches and RNG streams, and compare the metric bit for bit: a
     different value is a transient hardware fault (`hardware_fault`, evidence `replay_mismatch`) and training
     goes on from the replayed state; the same value leaves the rule to decide, as without replay."""
@@ -24,10 +24,11 @@ class ReplayConfig(Spec):
         description="Replay only from a snapshot at most this many steps before the onset (see "
         "`checkpoint.memory_slots` and the save cadence: the ring must hold one that near).",
     )
-    on: list[Literal["non_finite", "spike"]] = Field(
+    when: list[Literal["non_finite", "spike", "threshold"]] = Field(
         default_factory=lambda: ["non_finite", "spike"],
         min_length=1,
-        description="The anomalies replayed: those whose onset is the step just seen.",
+        description="The anomalies replayed (each has its onset at the step just seen), named as in a rule's "
+        "`when:` (a key `on:` would be YAML's boolean true).",
     )
     budget_seconds: float = Field(
         300,

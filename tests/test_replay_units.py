@@ -73,8 +73,9 @@ def test_only_listed_anomalies_at_the_step_just_ended_are_replayed_and_each_onse
 def test_the_newest_memory_snapshot_before_the_onset_within_max_steps_and_the_budget():
     clock = Clock()
     r = Replayer(ON, clock=clock)
-    ring = [Ckpt("a", 2), Ckpt("b", 5), Ckpt("c", 8, ("local",)), Ckpt("d", 12)]
-    assert r.target(ring, 12)[0] == Ckpt("b", 5)  # not c (disk only), not d (at the onset)
+    ring = [Ckpt("a", 2), Ckpt("b", 5), Ckpt("c", 8, ("local",)), Ckpt("d", 11), Ckpt("e", 12)]
+    # Not c (disk only), not d (the step before the onset: its update may be the damage), not e (the onset).
+    assert r.target(ring, 12)[0] == Ckpt("b", 5)
     target, why = r.target(ring, 40)
     assert (
         target is None and why == "no snapshot in the memory ring within 10 steps (the newest is at step 12)"
@@ -155,7 +156,7 @@ def test_settings_from_the_policy_section():
     class Spec:
         enabled: bool = True
         max_steps: int = 7
-        on: tuple[str, ...] = ("spike",)
+        when: tuple[str, ...] = ("spike",)
         budget_seconds: float = 9.0
 
     assert ReplaySettings.of(Spec()) == ReplaySettings(True, 7, frozenset({"spike"}), 9.0)

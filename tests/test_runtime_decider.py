@@ -1,6 +1,6 @@
-"""The step decider without a store or a clock: heartbeat pacing, the detectors (only on an observing rank,
-reset on a restore), the save decision with the write in flight, what a rank sends to the agreement, and
-the cadence's save cost, which only the decider writes."""
+"""The step decider without a store or a clock: heartbeat pacing, the detectors (on every rank, named by rank
+under DDP, reset on a restore), the save decision with the write in flight, what a rank sends to the agreement,
+and the cadence's save cost, which only the decider writes."""
 
 from __future__ import annotations
 
@@ -40,11 +40,13 @@ def test_the_heartbeat_is_paced_by_the_clock():
     assert beats == [(100.0, True), (100.2, False), (100.5, True), (100.6, False), (101.2, True)]
 
 
-def test_only_an_observing_rank_sees_anomalies_and_a_restore_starts_a_new_segment():
+def test_every_rank_sees_its_own_anomalies_named_by_rank_and_a_restore_starts_a_new_segment():
     decider, _ = _decider()
-    quiet, _ = _decider(observes=False)
-    assert quiet.anomalies(3, {"loss": float("nan")}) == []
+    rank1, _ = _decider(observes=False, agreement=Agreement(lambda *f: f, rank=1, world_size=2))
+    (nan_on_rank_1,) = rank1.anomalies(3, {"loss": float("nan")})  # a NaN on any rank is an anomaly
+    assert nan_on_rank_1.evidence["rank"] == 1
     (event,) = decider.anomalies(3, {"loss": float("nan")})
+    assert "rank" not in event.evidence  # alone: no rank to name
     assert event.step == 3 and event.source == "in_process"
     assert decider.anomalies(4, {"loss": float("nan")}) == []  # the same incident, seen once
     decider.restarted(2)

@@ -83,6 +83,15 @@ class Agreement:
         self.ranks: RankSteps | None = None
         self.stopped = False
 
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def hosts(self) -> tuple[str, ...] | None:
+        """Every rank's host name, by rank, once the first agreement carried them (with `world_size`)."""
+        return self._hosts
+
     def agree(self, mine: StepView) -> StepView:
         flags = mine.flags()
         out = self._reduce(*flags, *self._times()) if self._world else self._reduce(*flags)

@@ -40,6 +40,7 @@ from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.outcome import SegmentOutcome
 from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 from supervisor.runtime.registry import Registered
+from supervisor.runtime.replay import Local, Replayer, ReplaySettings, hardware_event, with_verdict
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.resources import SegmentResources
 from supervisor.runtime.restore import PlanRestore
@@ -47,7 +48,7 @@ from supervisor.runtime.rollback import InProcessRollback
 from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
-from supervisor.runtime.seams import CheckpointReader, Collective, Outputs
+from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, Outputs
 from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target
 from supervisor.state import TrainingState
 
@@ -135,7 +136,13 @@ class TrainingCore:
         reporter = EventReporter(plan.events_path, plan.segment)
         outputs = self.resources.outputs
         self.failures = SaveFailures(reporter, outputs)
-        self.rollback = InProcessRollback(policy, history, self.failures, reporter)
+        replay = Replayer(
+            ReplaySettings.of(policy.monitor.replay),
+            rank=state.rank,
+            host=socket.gethostname(),
+            deterministic=torch.are_deterministic_algorithms_enabled,
+        )
+        self.rollback = InProcessRollback(policy, history, self.failures, reporter, replay=replay)
         self.resources.checkpoints.dist = dist  # a sharded store restores and rolls back with every rank
         self.resources.checkpoints.sharded_mode = ck.sharded
         self._saver = Saver(state, self.registered, outputs, self.failures, dist)
@@ -266,8 +273,13 @@ class TrainingCore:
         if beat:
             self.outputs.heartbeat.beat(step, "train")
             self.resources.stops.poll()
+        replay = self.rollback.replay
+        replay.record(step, metrics)
         events = self.decider.anomalies(step, metrics)
+        if replay.active is not None and (local := replay.observe(step, metrics)) is not None:
+            return self._replayed(local, step)  # the onset, on every rank at once
         if events and self.decider.agreement is None:
+            replay.abandon()  # another anomaly before the onset: decided as usual
             return self._anomaly(events[0], step)
         self._drill.after_step(step)
         store = self.resources.store
@@ -292,7 +304,11 @@ class TrainingCore:
             )
             self.rollback.left_to_supervisor(event)
             return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
-        rolled = self.rollback.handle(self.resources.need_writer(), event, step)
+        store = self.resources.need_writer()
+        snapshot = self._replay_first(store, event, step)
+        if snapshot is not None:
+            return self._replaying(snapshot)
+        rolled = self.rollback.handle(store, event, step)
         if rolled is None:
             return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
         decision = rolled.decision
@@ -305,6 +321,9 @@ class TrainingCore:
         if self.decider.rank_metrics is not None:  # every rank's step time, for the straggler detector
             self.outputs.metrics.log(self.decider.rank_metrics[1], step)
         store = self.resources.store
+        if agreed.anomaly:
+            self.rollback.replay.abandon()  # another anomaly before the onset: decided as usual
+            events = self._events_on_rank_0(events)
         if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
             return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)
         dist = self.resources.checkpoints.dist
@@ -322,6 +341,16 @@ class TrainingCore:
         if agreed.save:
             return SaveDue(step)
         return self.stopping() or CONTINUE
+
+    def _events_on_rank_0(self, events: list[Event]) -> list[Event]:
+        """Every rank's anomalies of this step, on rank 0 (which decides and reports them); [] elsewhere."""
+        dist = self.resources.checkpoints.dist
+        assert dist is not None
+        mine = json.dumps([e.to_dict() for e in events]).encode()
+        gathered = dist.gather_bytes(mine)
+        if gathered is None:
+            return []
+        return [Event.from_dict(e) for data in gathered for e in json.loads(data)]
 
     def _sharded_rollback(
         self, store: ShardedStore, events: list[Event], step: int, *, stop_pending: bool
@@ -378,6 +407,11 @@ class TrainingCore:
         if dist.is_writer:
             store = self.resources.need_writer()
             try:
+                snapshot = self._replay_first(store, events[0], step)
+                if snapshot is not None:
+                    store.wait()  # the other ranks read the snapshot from disk
+                    dist.broadcast_outcome(json.dumps([snapshot.id, 0, 1.0, [events[0].metric, step]]))
+                    return self._replaying(snapshot)
                 rolled = self.rollback.handle(store, events[0], step)
                 if rolled is not None:
                     store.wait()  # the other ranks read the target from disk
@@ -395,10 +429,92 @@ class TrainingCore:
         named = dist.broadcast_outcome(None)
         if named is None:
             return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
-        target, skip, lr_scale = json.loads(named)
+        target, skip, lr_scale, *replay = json.loads(named)
         info = self.resources.need().restore(target)
+        if replay:  # rank 0 replays the steps up to the onset: so does this rank, comparing its own values
+            (metric, onset), event = replay[0], events[0] if events else None
+            self.rollback.replay.begin_named(metric, int(onset), info.step, event or _replayed_event(metric))
+            self.rollback.replay.device = self._device()
+            return self._replaying(info)
         self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
         return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
+
+    # -- replay (monitor.replay): data or hardware? ----------------------------------------------
+
+    def _replay_first(self, store: CheckpointStore, event: Event, step: int) -> CheckpointInfo | None:
+        """Rank 0 (or alone): go back to a memory snapshot to replay the steps up to `event`'s onset, if the
+        policy asks and one is near enough (the snapshot restored); None: decide at once (said why, when replay
+        is on). The caller then names it to the other ranks, if any, and `_replaying` settles the loop."""
+        replay = self.rollback.replay
+        why = replay.wants(event, step)
+        target = None
+        if why is None:
+            target, why = replay.target(self.rollback.known(store, step), step)
+        if target is None:
+            if replay.settings.enabled:
+                log.warning("anomaly at step %d not replayed: %s; the policy's rule decides", step, why)
+            return None
+        info = self.rollback.restore_for_replay(store, target, step)
+        replay.begin(event, info.step)
+        replay.device = self._device()
+        log.warning(
+            "anomaly at step %d (%s): replaying steps %d-%d from the snapshot at step %d to tell data from hardware",
+            step,
+            event.reason,
+            info.step + 1,
+            step,
+            info.step,
+        )
+        return info
+
+    def _replaying(self, info: CheckpointInfo) -> Rollback:
+        """The state is the replay's snapshot: the loop goes on from there, nothing skipped, the LR as it was."""
+        self._after_restore(0, 1.0, info, "replay")
+        return Rollback(info.id, self.state.step, 0, 1.0)
+
+    def _replayed(self, local: Local, step: int) -> Action:
+        """The replay reached the onset on every rank: the verdict (every rank's results, under DDP), then
+        either go on from the replayed state (a transient hardware fault) or let the rule decide."""
+        replay = self.rollback.replay
+        assert replay.active is not None
+        original = replay.active.event
+        dist = self.resources.checkpoints.dist
+        rows, hosts = [local], [replay.host]
+        if dist is not None:
+            mine = [
+                float(local.differs),
+                float(local.first_diff or -1),
+                _num(local.original),
+                _num(local.replayed),
+            ]
+            rows = [
+                Local(bool(d), int(f) if f >= 0 else None, o, r)  # a missing value is NaN
+                for d, f, o, r in dist.gather_values(mine)
+            ]
+            known = self.decider.agreement.hosts if self.decider.agreement is not None else None
+            hosts = list(known) if known is not None else [f"rank {i}" for i in range(len(rows))]
+        verdict = replay.conclude(rows, hosts)
+        writer = dist is None or dist.is_writer
+        if verdict.hardware:
+            log.warning("replay: %s", verdict.reason)
+            if writer:
+                self.rollback.report_replay(hardware_event(verdict, original, time.time()), verdict)
+            return self.stopping() or CONTINUE
+        log.warning("replay: %s", verdict.reason)
+        event = with_verdict(original, verdict)
+        if writer:
+            self.rollback.report_replay(event, verdict)
+        if dist is None:
+            return self._anomaly(event, step)
+        return self._replicated_rollback(dist, [event], step, stop_pending=False)
+
+    def _device(self) -> str:
+        """Where the model computes: the first registered optimizer's first parameter's device."""
+        for opt in self.registered.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    return str(p.device)
+        return "cpu"
 
     def _rolled_back(self, info: CheckpointInfo, skip: int, lr_scale: float, *, stop_pending: bool) -> Action:
         if self.decider.agreement is not None and not stop_pending:
@@ -453,3 +569,12 @@ class TrainingCore:
     @property
     def rollbacks_in_process(self) -> int:
         return self.rollback.count
+
+
+def _num(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _replayed_event(metric: str) -> Event:
+    """What a rank that did not see rank 0's anomaly knows of it: the metric (its onset comes with it)."""
+    return Event("non_finite", f"anomaly in {metric} seen by rank 0", metric=metric, source="in_process")

@@ -21,8 +21,9 @@ BEAT_EVERY_S = 0.5
 class StepDecider:
     """Decides after each step from the cadence, the detectors and (under DDP) the agreement.
 
-    `observes`: this rank feeds the detectors (under DDP only rank 0: its metrics are what MLflow and the
-    supervisor see). Nearly pure: the clocks are injected. Not thread-safe: the training thread calls it.
+    Every rank's detectors watch the values it logs itself (a NaN on any rank is an anomaly; the agreement
+    makes it every rank's). `observes`: this rank also watches every rank's step times (under DDP rank 0 only:
+    one straggler report, not one per rank). Nearly pure: the clocks are injected. Not thread-safe: the training thread calls it.
     """
 
     def __init__(
@@ -57,9 +58,7 @@ class StepDecider:
         return now, beat
 
     def anomalies(self, step: int, metrics: dict[str, float]) -> list[Event]:
-        """What the detectors see in the step's metrics (nothing on a rank that does not observe)."""
-        if not self._observes:
-            return []
+        """What the detectors see in this rank's metrics of the step (under DDP each names its rank)."""
         wall = self._wall()
         segment = self._detectors.segment
         points = [Point(key, step, float(value), wall, segment) for key, value in metrics.items()]
@@ -67,7 +66,14 @@ class StepDecider:
             ranks_step, ranks = self.rank_metrics
             points[:0] = [Point(key, ranks_step, value, wall, segment) for key, value in ranks.items()]
             self.rank_metrics = None
-        return [self._with_host(event) for point in points for event in self._detectors.observe(point)]
+        return [self._with_rank(event) for point in points for event in self._detectors.observe(point)]
+
+    def _with_rank(self, event: Event) -> Event:
+        """Under DDP, an anomaly in this rank's own values names the rank (a straggler names the slow one)."""
+        event = self._with_host(event)
+        if self.agreement is None or "rank" in event.evidence:
+            return event
+        return dataclasses.replace(event, evidence={**event.evidence, "rank": self.agreement.rank})
 
     def _with_host(self, event: Event) -> Event:
         """A straggler event names the host its rank runs on (as the first agreement told every rank)."""
@@ -109,7 +115,12 @@ class StepDecider:
         mine = StepView(bool(events), pending.mode if pending else None, due, defer)
         merged = self.agreement.agree(mine)
         ranks = self.agreement.ranks
-        if step is not None and ranks is not None and (metrics := rank_step_metrics(ranks.step_s)):
+        if (
+            self._observes
+            and step is not None
+            and ranks is not None
+            and (metrics := rank_step_metrics(ranks.step_s))
+        ):
             self.rank_metrics = (step, metrics)
         return merged
 

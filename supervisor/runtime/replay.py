@@ -1,8 +1,8 @@
 """Replay a bad step to tell data from hardware (the policy's `monitor.replay`), on the same device.
 
 An anomaly whose onset is the step that just ended (a non-finite value, a spike) is not decided at once. The
-state goes back to the newest snapshot in the memory ring before the onset (at most `max_steps` back), and the
-same steps run again: the snapshot holds the data position and every RNG stream, so they see the same batches
+state goes back to the newest snapshot in the memory ring at least two steps before the onset (at most
+`max_steps` back; see MIN_REPLAYED_STEPS), and the same steps run again: the snapshot holds the data position and every RNG stream, so they see the same batches
 and draw the same numbers. Each replayed step's value of the metric is compared, bit for bit, with what this
 rank logged the first time:
 
@@ -31,6 +31,10 @@ from typing import Any, Protocol
 
 from supervisor.events import Event
 
+#: A replay runs at least the onset and the step before it: a fault in that step's update (a flipped bit in a
+#: weight) shows only at the onset, and a snapshot taken after it would hold the damage and reproduce it.
+MIN_REPLAYED_STEPS = 2
+
 #: The verdicts, in the words the event, `status` and the docs use.
 MISMATCH = "replay_mismatch"
 REPRODUCIBLE = "reproducible_on_same_device"
@@ -49,7 +53,7 @@ class ReplaySettings:
 
     enabled: bool = False
     max_steps: int = 50
-    on: frozenset[str] = frozenset({"non_finite", "spike"})
+    when: frozenset[str] = frozenset({"non_finite", "spike"})
     budget_seconds: float = 300.0
 
     @classmethod
@@ -57,7 +61,7 @@ class ReplaySettings:
         """From the policy's `monitor.replay` section (any object with those attributes; None: off)."""
         if spec is None:
             return cls()
-        return cls(bool(spec.enabled), int(spec.max_steps), frozenset(spec.on), float(spec.budget_seconds))
+        return cls(bool(spec.enabled), int(spec.max_steps), frozenset(spec.when), float(spec.budget_seconds))
 
 
 def same_bits(a: float | None, b: float | None) -> bool:
@@ -174,8 +178,8 @@ class Replayer:
         s = self.settings
         if not s.enabled:
             return "replay is off"
-        if event.type not in s.on:
-            return f"monitor.replay.on does not list {event.type}"
+        if event.type not in s.when:
+            return f"monitor.replay.when does not list {event.type}"
         if event.metric is None or event.onset_step != step:
             return "its onset is not the step that just ended"
         if (event.metric, event.onset_step) in self._done:
@@ -183,8 +187,9 @@ class Replayer:
         return None
 
     def target(self, candidates: Iterable[CheckpointLike], onset: int) -> tuple[CheckpointLike | None, str]:
-        """The newest snapshot in the memory ring before `onset`, within `max_steps` and the time budget."""
-        ring = [c for c in candidates if "memory" in c.tiers and c.step < onset]
+        """The newest snapshot in the memory ring at least MIN_REPLAYED_STEPS before `onset`, within `max_steps`
+        and the time budget."""
+        ring = [c for c in candidates if "memory" in c.tiers and c.step <= onset - MIN_REPLAYED_STEPS]
         near = [c for c in ring if onset - c.step <= self.settings.max_steps]
         if not near:
             held = f" (the newest is at step {max(c.step for c in ring)})" if ring else ""

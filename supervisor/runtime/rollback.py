@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from supervisor.checkpoint import CheckpointInfo
 from supervisor.errors import CheckpointNotFound
 from supervisor.events import Event
+from supervisor.runtime.replay import Replayer, ReplaySettings, Verdict
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.save_failures import SaveFailures
 from supervisor.runtime.seams import CheckpointStore
@@ -51,19 +52,21 @@ class InProcessRollback:
         *,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        replay: Replayer | None = None,
     ):
         self.policy, self.history = policy, history
         self._failures, self._reporter = failures, reporter
         self._clock, self._monotonic = clock, monotonic
         self.count = 0
+        #: The policy's `monitor.replay`: an anomaly may first be replayed from a memory snapshot.
+        self.replay = replay or Replayer(ReplaySettings())
 
     def handle(self, store: CheckpointStore, event: Event, step: int) -> RolledBack | None:
         """Roll back for `event` if the policy says so and the target is here; None: reported, not handled."""
         from policies import decide
         from policies.records import to_records
 
-        # Writes in flight included: never waited for (ARCHITECTURE.md).
-        known = self._failures.despite(step, store.candidates)
+        known = self.known(store, step)
         decision = decide(
             self.policy, event, self.history, to_records(known), now=self._clock(), in_process=True
         )
@@ -89,6 +92,34 @@ class InProcessRollback:
             tier="memory" if in_ring else "local",
         )
         return RolledBack(info, decision)
+
+    def known(self, store: CheckpointStore, step: int) -> list[CheckpointInfo]:
+        """The checkpoints a decision may pick: writes in flight included, never waited for (ARCHITECTURE.md)."""
+        return self._failures.despite(step, store.candidates)
+
+    def restore_for_replay(self, store: CheckpointStore, target: CheckpointInfo, step: int) -> CheckpointInfo:
+        """Back to the replay's snapshot (from the ring, else disk); every later checkpoint is abandoned, as for
+        a rollback: the replayed steps write their own. Neither a decision nor a rollback of the policy's."""
+        store.protect([target.id])
+        try:
+            info, _ = self._restore_target(store, target, step)
+            self._failures.despite(step, store.abandon_after, info, wait=False)
+        finally:
+            store.unprotect([target.id])
+        return info
+
+    def report_replay(self, event: Event, verdict: Verdict | None, **extra: object) -> None:
+        """A replay's verdict (or why there was none), with the event it is about: a report the supervisor
+        keeps with the segment, not a decision (the rule's decision, if one follows, is reported as usual)."""
+        self._reporter.append(
+            {
+                "kind": "replay",
+                "handled_in_process": True,
+                "event": event.to_dict(),
+                "decision": None,
+                "replay": verdict.to_dict() if verdict is not None else dict(extra),
+            }
+        )
 
     def left_to_supervisor(self, event: Event) -> None:
         """Report an anomaly this process does not decide (under DDP every one): the supervisor does."""

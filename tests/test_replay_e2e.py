@@ -1,0 +1,156 @@
+"""Replay on real training processes (issue 28, item 1): examples/charlm.py under a launch plan and a metric spool,
+without the supervisor, with `monitor.replay` on. Each run costs a process start and a few steps.
+
+- `sdc@4` (a bit flipped once) makes step 5's loss wrong; the replay from the snapshot of step 4 computes it
+  right: `hardware_fault` with evidence `replay_mismatch`, no rollback of the policy's, no data skipped, and
+  the run ends bit-identical to one that never had the fault.
+- `sdc_persistent@4` (a device wrong every time) gives the same wrong loss in the replay:
+  `reproducible_on_same_device`, and the policy's rule (rollback, skip) applies.
+- Under torchrun, `sdc@4:rank1` is seen on rank 1 (every rank's detectors watch its own values), every rank
+  replays, and the verdict names rank 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor import exitcodes
+from supervisor.spool import SpoolReader
+from tests.segmentkit import segment_env
+
+pytestmark = [pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_ID = "0" * 32
+EXAMPLE = ["--size", "tiny", "--batch-size", "4", "--eval-every", "1000", "--threads", "1"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+STEPS = 8
+
+POLICY = """\
+version: 1
+name: replay
+checkpoint: {every_steps: 2, keep_last: 4, memory_slots: 3, storage: ./checkpoints}
+monitor:
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+    - {type: threshold, metric: loss, above: 100}
+  replay: {enabled: true, max_steps: 4, when: [non_finite, threshold]}
+rules:
+  - when: [non_finite, threshold]
+    action: rollback
+    target: {select: latest}
+    skip_batches: 2
+limits: {max_rollbacks: 1}
+"""
+
+
+def run(
+    workdir: Path, faults: str, *, ranks: int = 1, exit_code: int = exitcodes.EXIT_OK
+) -> subprocess.CompletedProcess:
+    env = segment_env(workdir, RUN_ID, f"sqlite:///{workdir / 'unused.db'}", faults)
+    (workdir / "policy.yaml").write_text(POLICY)
+    env["OMP_NUM_THREADS"] = "1"
+    head = TORCHRUN if ranks > 1 else [sys.executable]
+    proc = subprocess.run(
+        [*head, "examples/charlm.py", *EXAMPLE, "--steps", str(STEPS)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == exit_code, proc.stderr[-4000:]
+    return proc
+
+
+def reports(workdir: Path) -> list[dict[str, Any]]:
+    path = workdir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(workdir: Path) -> dict[int, bytes]:
+    """The last logged loss of every step, as bits (a replayed step's second value replaces its first)."""
+    points, _ = SpoolReader(workdir / "metrics" / "0.jsonl").pending(limit=100_000)
+    return {step: struct.pack("<d", value) for key, value, _, step in points if key == "loss"}
+
+
+def final_tensors(workdir: Path) -> dict[str, str]:
+    """The final checkpoint's tensors by name, as the digests of their bytes (equal digests: equal bits)."""
+    from supervisor.checkpoint import open_store
+
+    store = open_store(workdir / "checkpoints")
+    latest = store.latest()
+    assert latest is not None and latest.step == STEPS
+    return {name: ref.digest for name, ref in store.manifest(latest.id).tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("reference")
+    run(workdir, "")
+    assert reports(workdir) == []
+    return workdir
+
+
+def test_a_transient_bit_flip_is_a_hardware_fault_and_training_goes_on_from_the_replayed_state(
+    tmp_path: Path, reference: Path
+):
+    proc = run(tmp_path, "sdc@4")
+    assert "injecting sdc@4 on rank 0" in proc.stderr
+    (report,) = reports(tmp_path)
+    assert report["kind"] == "replay" and report["decision"] is None
+    event, verdict = report["event"], report["replay"]
+    assert event["type"] == "hardware_fault" and event["evidence"]["evidence"] == "replay_mismatch"
+    assert event["evidence"]["ranks"] == [0] and event["evidence"]["hosts"] == [socket.gethostname()]
+    assert event["evidence"]["device"] == "cpu" and event["evidence"]["anomaly"] in (
+        "non_finite",
+        "threshold",
+    )
+    # The snapshot of step 4 holds the flipped weight: the replay starts from step 2's (MIN_REPLAYED_STEPS).
+    assert (verdict["verdict"], verdict["from_step"], verdict["onset_step"]) == ("replay_mismatch", 2, 5)
+    assert verdict["first_diff_step"] == 5 and verdict["seconds"] > 0
+    assert "a transient hardware fault; training goes on from the replayed state" in verdict["reason"]
+    # Nothing skipped, no learning rate changed: every step's loss and the final state equal the reference's.
+    assert losses(tmp_path) == losses(reference)
+    assert final_tensors(tmp_path) == final_tensors(reference)
+
+
+def test_a_fault_that_reproduces_on_the_same_device_leaves_the_rule_to_roll_back_and_skip(tmp_path: Path):
+    # A device wrong on every run of step 4: the replay reproduces it, the rule rolls back past it and skips 2
+    # batches, it strikes again at step 4, and the rollback budget (1) sends the run to its supervisor.
+    run(tmp_path, "sdc_persistent@4", exit_code=exitcodes.EXIT_ANOMALY)
+    replay, rollback, exhausted = reports(tmp_path)
+    assert replay["kind"] == "replay" and replay["replay"]["verdict"] == "reproducible_on_same_device"
+    assert replay["event"]["type"] in ("non_finite", "threshold")
+    assert replay["replay"]["first_diff_step"] is None  # every replayed step the same, bit for bit
+    decision = rollback["decision"]
+    assert rollback["handled_in_process"] and decision["action"] == "rollback"
+    # The target is the rule's (latest healthy: step 4's checkpoints hold the flipped weight), not the replay's.
+    assert decision["skip_batches"] == 2 and decision["target_step"] == 2
+    assert rollback["event"]["evidence"]["replay"]["verdict"] == "reproducible_on_same_device"
+    assert (
+        not exhausted["handled_in_process"] and "rollback budget exhausted" in exhausted["decision"]["reason"]
+    )
+
+
+@pytest.mark.slow
+def test_under_ddp_the_replay_names_the_rank_whose_result_changed_first(tmp_path: Path):
+    proc = run(tmp_path, "sdc@4:rank1", ranks=2)
+    assert "injecting sdc@4:rank1 on rank 1" in proc.stderr
+    (report,) = reports(tmp_path)
+    verdict = report["replay"]
+    assert verdict["verdict"] == "replay_mismatch"
+    assert verdict["ranks"] == [1] and report["event"]["evidence"]["ranks"] == [1]
+    # Rank 1's own loss went wrong (its detectors saw it: a NaN on any rank is an anomaly); rank 0's did not.
+    assert verdict["first_diff_step"] == verdict["onset_step"] == 5 and verdict["from_step"] == 2
+    assert math.isfinite(verdict["replayed"]) and not math.isfinite(verdict["original"])
+    assert all(math.isfinite(struct.unpack("<d", v)[0]) for v in losses(tmp_path).values())  # rank 0's
