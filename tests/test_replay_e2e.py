@@ -154,3 +154,68 @@ def test_under_ddp_the_replay_names_the_rank_whose_result_changed_first(tmp_path
     assert verdict["first_diff_step"] == verdict["onset_step"] == 5 and verdict["from_step"] == 2
     assert math.isfinite(verdict["replayed"]) and not math.isfinite(verdict["original"])
     assert all(math.isfinite(struct.unpack("<d", v)[0]) for v in losses(tmp_path).values())  # rank 0's
+
+
+SUPERVISED_POLICY = """\
+version: 1
+name: replay-supervised
+checkpoint: {every_steps: 2, keep_last: 20, memory_slots: 4, async: false, storage: ./checkpoints}
+monitor:
+  poll_seconds: 0.5
+  detectors:
+    - {type: non_finite, metrics: [loss]}
+  replay: {enabled: true, max_steps: 6}
+rules:
+  - when: [non_finite]
+    action: rollback
+    target: {select: latest}
+    skip_batches: 3
+  - when: [preemption, unknown_exit]
+    action: resume
+    target: {select: latest}
+limits:
+  backoff: {initial_seconds: 0.1, max_seconds: 1, multiplier: 2, jitter: false}
+"""
+
+
+def test_under_the_supervisor_a_replayed_fault_is_one_segment_and_every_view_shows_the_verdict(
+    tmp_path: Path, capsys
+):
+    from supervisor.cli import main
+    from supervisor.orchestrator import LineageRunner, RunOptions, python_command
+    from supervisor.report.plot import draw_lineage
+    from tests.test_status_real_run import TRAIN
+
+    policy, script, workdir = tmp_path / "policy.yaml", tmp_path / "train.py", tmp_path / "wd"
+    policy.write_text(SUPERVISED_POLICY)
+    script.write_text(TRAIN)
+    options = RunOptions(
+        command=python_command(["python", str(script), "20"]),
+        policy_path=str(policy),
+        lineage="replay",
+        workdir=workdir,
+        stop_grace_seconds=10,
+        env={"ROLLBACK_SUPERVISOR_FAULTS": "sdc@13"},
+        max_segments=2,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise().to_dict()
+    # The supervisor's monitor also saw step 14's non-finite loss: the training process's report covers it.
+    assert (record["status"], record["final_reason"]) == ("finished", "training finished")
+    (segment,) = record["segments"]
+    (entry,) = segment["in_process"]
+    assert entry["kind"] == "replay" and entry["replay"]["verdict"] == "replay_mismatch"
+    assert entry["event"]["type"] == "hardware_fault" and entry["anomaly"]["type"] == "non_finite"
+    assert (entry["replay"]["from_step"], entry["replay"]["onset_step"]) == (12, 14)
+
+    assert main(["status", "--workdir", str(workdir), "--json"]) == 0
+    (view,) = json.loads(capsys.readouterr().out)["lineages"]
+    (row,) = view["timeline"]
+    assert (row["event"], row["action"], row["replay"]) == ("hardware_fault", "replay", "replay_mismatch")
+    assert "transient hardware fault" in row["reason"]
+    assert main(["status", "--workdir", str(workdir), "--width", "160"]) == 0
+    text = capsys.readouterr().out
+    assert "hardware_fault" in text and "replay_mismatch" in text
+
+    _, drawn = draw_lineage(record, {})
+    assert [(a["event"], a["replay"]) for a in drawn["anomalies"]] == [("hardware_fault", "replay_mismatch")]

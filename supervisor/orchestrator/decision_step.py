@@ -159,6 +159,11 @@ class DecisionStep:
             if rec.get("kind") == "save_failed":  # a report, not an anomaly: training went on without it
                 seg.save_failures = [*(seg.save_failures or []), rec]
                 log.warning("segment %d: %s", seg.index, event.reason)
+            elif rec.get("kind") == "replay":  # a replay's verdict: kept with the segment, not a decision
+                seg.in_process.append(rec)
+                handled += [event, *([Event.from_dict(rec["anomaly"])] if rec.get("anomaly") else [])]
+                verdict = rec.get("replay") or {}
+                log.warning("segment %d: replay: %s", seg.index, verdict.get("reason", event.reason))
             elif rec.get("handled_in_process") and rec.get("decision"):
                 decision = Decision.from_dict(rec["decision"])
                 self.history.record(decision.event, decision, rec["time"])

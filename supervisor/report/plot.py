@@ -176,11 +176,13 @@ def draw_lineage(record: RecordLike, points: dict[str, list[Point]]) -> tuple[An
         x = row["onset_step"] if row["onset_step"] is not None else row["step"]
         if x is None:
             continue
-        anomalies.append({"step": x, "event": row["event"], "action": row["action"]})
+        anomalies.append(
+            {"step": x, "event": row["event"], "action": row["action"], "replay": row.get("replay")}
+        )
         ax.axvline(x, color=ANOMALY_COLOR, ls=":", lw=1, alpha=0.6, zorder=2)
         ax.plot([x], [1.0], "v", color=ANOMALY_COLOR, ms=8, transform=top, clip_on=False, zorder=6)
         ax.annotate(
-            row["event"] or "?",
+            (row["event"] or "?") + (f" ({row['replay']})" if row["action"] == "replay" else ""),
             xy=(x, 1.0),
             xycoords=top,
             xytext=(6, -10 - 11 * (k % 3)),

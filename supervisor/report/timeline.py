@@ -19,7 +19,7 @@ MAX_TAG_CHARS = 5000
 RELAUNCH_ACTIONS = frozenset({"resume", "rollback"})
 #: Terminals narrower than this get the short event table, with the reasons listed under it.
 WIDE_TABLE_COLUMNS = 120
-ACTION_STYLES = {"rollback": "magenta", "resume": "yellow", "stop": "green", "fail": "bold red"}
+ACTION_STYLES = {"rollback": "magenta", "resume": "yellow", "stop": "green", "fail": "bold red", "replay": "cyan"}
 
 
 def split_branches(points: list[Point]) -> tuple[list[Point], list[Point]]:
@@ -85,6 +85,7 @@ def _row(
     entry: dict[str, Any],
 ) -> dict[str, Any]:
     d = decision or {}
+    replay = entry.get("replay") if isinstance(entry.get("replay"), dict) else {}
     return {
         "index": 0,
         "segment": segment,
@@ -96,17 +97,19 @@ def _row(
         "value": event.get("value"),
         "source": event.get("source") or default_source,
         "event_reason": event.get("reason"),
-        "action": d.get("action"),
+        "action": d.get("action") or ("replay" if replay else None),
         "target_id": d.get("target_id"),
         "target_step": d.get("target_step"),
         "fallback": d.get("fallback") is True,  # the target matched nothing; the newest usable one was taken
         "skip_batches": d.get("skip_batches", 0),
         "lr_scale": d.get("lr_scale", 1.0),
         "delay_seconds": d.get("delay_seconds", 0.0),
-        "reason": d.get("reason") or event.get("reason"),
+        "reason": d.get("reason") or replay.get("reason") or event.get("reason"),
         "in_process": in_process,
         "tier": entry.get("tier"),
         "restore_s": entry.get("restore_s"),
+        # A replay's verdict (monitor.replay): replay_mismatch, reproducible_on_same_device or inconclusive.
+        "replay": replay.get("verdict") or (event.get("evidence") or {}).get("replay", {}).get("verdict"),
     }
 
 
@@ -297,6 +300,8 @@ def rich_table(record: RecordLike) -> Table:
             event.append(f"\n{row['metric']}={_num(row['value'])}", style="dim")
         source = row["source"] + (f"\n({row['tier']})" if row.get("tier") else "")
         decision = Text(row["action"] or "-", style=ACTION_STYLES.get(row["action"] or "", ""))
+        if row.get("replay") and row["action"] == "replay":
+            decision.append(f"\n{row['replay']}", style="dim")
         if row.get("target_id"):
             decision.append(f" → step {row['target_step']}\n{row['target_id']}")
             if row.get("fallback"):
@@ -348,6 +353,8 @@ def short_cells(row: dict[str, Any]) -> list[str]:
 def reason_text(row: dict[str, Any]) -> str:
     """What the short table leaves out: where the event was seen, its onset, the checkpoint, and the reason."""
     seen = row["source"] + (f", {row['tier']} tier" if row.get("tier") else "")
+    if row.get("replay") and row["action"] != "replay":
+        seen += f", after a replay: {row['replay']}"
     if row["onset_step"] is not None and row["onset_step"] != row["step"]:
         seen += f", onset {row['onset_step']}"
     if row.get("metric"):

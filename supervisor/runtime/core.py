@@ -498,12 +498,12 @@ class TrainingCore:
         if verdict.hardware:
             log.warning("replay: %s", verdict.reason)
             if writer:
-                self.rollback.report_replay(hardware_event(verdict, original, time.time()), verdict)
+                self.rollback.report_replay(hardware_event(verdict, original, time.time()), verdict, original)
             return self.stopping() or CONTINUE
         log.warning("replay: %s", verdict.reason)
         event = with_verdict(original, verdict)
         if writer:
-            self.rollback.report_replay(event, verdict)
+            self.rollback.report_replay(event, verdict, original)
         if dist is None:
             return self._anomaly(event, step)
         return self._replicated_rollback(dist, [event], step, stop_pending=False)

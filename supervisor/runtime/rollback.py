@@ -108,16 +108,18 @@ class InProcessRollback:
             store.unprotect([target.id])
         return info
 
-    def report_replay(self, event: Event, verdict: Verdict | None, **extra: object) -> None:
-        """A replay's verdict (or why there was none), with the event it is about: a report the supervisor
-        keeps with the segment, not a decision (the rule's decision, if one follows, is reported as usual)."""
+    def report_replay(self, event: Event, verdict: Verdict, anomaly: Event) -> None:
+        """A replay's verdict, with its event (a `hardware_fault`, or the anomaly itself) and the anomaly it
+        replayed (so the supervisor's monitor, seeing the first run's value, knows it was handled): a report
+        kept with the segment, not a decision (the rule's decision, if one follows, is reported as usual)."""
         self._reporter.append(
             {
                 "kind": "replay",
                 "handled_in_process": True,
                 "event": event.to_dict(),
+                "anomaly": anomaly.to_dict(),
                 "decision": None,
-                "replay": verdict.to_dict() if verdict is not None else dict(extra),
+                "replay": verdict.to_dict(),
             }
         )
 
