@@ -63,6 +63,26 @@ def in_process(workdir: Path, example: Example, reps: int) -> dict[str, Any]:
     return result
 
 
+def replay(workdir: Path, example: Example) -> dict[str, Any]:
+    """One replay (monitor.replay) of a step a flipped bit made wrong: its cost, in its own process."""
+    out, sub = workdir / "replay.json", workdir / "replay"
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.rollback_child",
+        "replay",
+        "--workdir",
+        str(sub),
+        "--out",
+        str(out),
+        "--run-id",
+        _create_run(sub),
+        *example.options(),
+    ]
+    _child(cmd, workdir / "replay.log", child_env(), "the replay run")
+    return json.loads(out.read_text())
+
+
 def _create_run(workdir: Path) -> str:
     """The lineage's MLflow run, created as `rollback-supervisor run` creates it."""
     from mlflow.tracking import MlflowClient
@@ -254,8 +274,9 @@ PATHS = ("relaunch", "relaunch_standby", "relaunch_parked", "relaunch_preloaded"
 
 
 def phases(reps: int) -> list[str]:
-    """The phases of `run`, in order: the in-process run, then each path of each repetition (`relaunch-1`)."""
-    return ["in_process", *(f"{path}-{i + 1}" for i in range(reps) for path in PATHS)]
+    """The phases of `run`, in order: the in-process run, one replay, then each path of each repetition
+    (`relaunch-1`)."""
+    return ["in_process", "replay", *(f"{path}-{i + 1}" for i in range(reps) for path in PATHS)]
 
 
 def run(
@@ -284,6 +305,7 @@ def run(
     example = Example(size, batch_size, threads, device)
     inproc = in_process(workdir, example, reps)
     samples: dict[str, list[dict[str, Any]]] = {path: [] for path in PATHS}
+    replayed: dict[str, Any] = {}
 
     def summary() -> dict[str, Any]:
         return summarize(
@@ -293,10 +315,14 @@ def run(
             standbys=samples["relaunch_standby"],
             parked=samples["relaunch_parked"],
             preloaded=samples["relaunch_preloaded"],
+            replayed=replayed or None,
             **info,
         )
 
     on_phase("in_process", summary())
+    say(f"replay: one replay of a step a flipped bit made wrong, at size {size}")
+    replayed.update(replay(workdir, example))
+    on_phase("replay", summary())
     with (
         standby_launcher(example) as launcher,
         standby_launcher(example, park="plan") as at_plan,
@@ -334,6 +360,7 @@ def summarize(
     standbys: list[dict[str, Any]] | None = None,
     parked: list[dict[str, Any]] | None = None,
     preloaded: list[dict[str, Any]] | None = None,
+    replayed: dict[str, Any] | None = None,
     **info: Any,
 ) -> dict[str, Any]:
     """Medians, the issue's two ratios, and the same ratios up to the restore (the step taken out)."""
@@ -378,6 +405,29 @@ def summarize(
             if num not in values:
                 continue
             targets[key + suffix] = target(ratio(values[num], values[den]), goal)
+    replay_view: dict[str, Any] = {}
+    if (
+        replayed is not None
+    ):  # the replay: its restore and two replayed steps, against two steps and a restore
+        restore_s = med(anomalies, "restore_s")
+        budget = 2 * median(replayed["steps_s"]) + restore_s if replayed["steps_s"] and restore_s else None
+        targets["replay_s/(2 steps + memory restore)"] = target(ratio(replayed["replay_s"], budget), 1.0)
+        replay_view = {
+            "replay_s": replayed["replay_s"],
+            "replay": {
+                "replay_s": replayed["replay_s"],
+                "two_steps_and_restore_s": budget,
+                "step_s": median(replayed["steps_s"]),
+                "memory_restore_s": restore_s,
+                "verdict": replayed["verdict"]["verdict"],
+                "steps": replayed["verdict"]["steps"],
+                "fault": replayed["fault"],
+                "note": "monitor.replay on, a bit flipped once after step 3's update (the drill's sdc@3): the "
+                "replay restores the snapshot of step 2 from the memory ring and runs steps 3 and 4 again "
+                "(replay_s: from the anomaly to the verdict, restore included); the budget is two uninterrupted "
+                "steps of the same run plus the in-process run's memory restore",
+            },
+        }
     # With the step included, no recovery path can be faster than the step itself: the in-process ratio's floor.
     resumed_step = med(anomalies, "step_s")
     step_floor = ratio(resumed_step, full["naive_restart_s"])
@@ -411,6 +461,7 @@ def summarize(
             "samples": relaunches,
         },
         **standby,
+        **replay_view,
         "naive_restart": {**{k: med(naives, k) for k in _PHASES["naive"]}, "samples": naives},
         "machine": {**machine(), "load_average_1m_start": round(info["load_start"], 2)},
         "notes": [

@@ -12,6 +12,10 @@ marks at import, build, session set-up, restore and the first step, then it stop
 
     python -m benchmarks.rollback_child inprocess --workdir W --size 100M --anomalies 3 --run-id R --out W/inprocess.json
     python -m benchmarks.rollback_child relaunch --out W/relaunch-0.json -- [charlm args]   # plan in env
+    python -m benchmarks.rollback_child replay --workdir W/replay --size 100M --run-id R --out W/replay.json
+
+`replay`: the example with `monitor.replay` on and a bit flipped once (`sdc@3`): the cost of one replay (the
+restore from the memory ring and the two replayed steps), from the replay's own record.
 """
 
 from __future__ import annotations
@@ -50,6 +54,15 @@ limits:
 """
 STEPS = 1000  # never reached: the runs stop after the measured step
 
+#: The replay run: `sdc@3` flips a weight after step 3's update, step 4's loss is wrong, and the replay runs
+#: steps 3 and 4 again from the snapshot of step 2 (at least two steps before the onset).
+REPLAY_FAULT = "sdc@3"
+REPLAY_POLICY = POLICY.replace("name: bench-rollback", "name: bench-replay").replace(
+    "    - {type: non_finite, metrics: [loss]}\n",
+    "    - {type: non_finite, metrics: [loss]}\n    - {type: threshold, metric: loss, above: 100}\n"
+    "  replay: {enabled: true, max_steps: 4, when: [non_finite, threshold]}\n",
+)
+
 
 def fault_spec(anomalies: int) -> str:
     """`nan@3,nan@5,...`: each fault fires once, after the rollback that undid the previous one."""
@@ -74,7 +87,9 @@ class Example:
         return [*self.options(), "--steps", str(STEPS), "--eval-every", "1000000"]
 
 
-def write_plan(workdir: Path, *, run_id: str, checkpoint_id: str | None = None) -> Path:
+def write_plan(
+    workdir: Path, *, run_id: str, checkpoint_id: str | None = None, policy_text: str = POLICY
+) -> Path:
     """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one.
 
     Like the plans `rollback-supervisor run` writes, it names the lineage's MLflow run and a metric spool: the
@@ -84,7 +99,7 @@ def write_plan(workdir: Path, *, run_id: str, checkpoint_id: str | None = None) 
 
     policy = workdir / "policy.yaml"
     if not policy.exists():
-        policy.write_text(POLICY)
+        policy.write_text(policy_text)
     plan = LaunchPlan(
         lineage="bench-rollback",
         workdir=str(workdir),
@@ -203,6 +218,57 @@ def run(
     }
 
 
+def replay(
+    workdir: Path, size: str, batch_size: int, threads: int | None, run_id: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """Train until one replay (monitor.replay) has given its verdict: its cost from the replay's own record
+    (the restore from the memory ring and the replayed steps), and the uninterrupted steps' times."""
+    from benchmarks.common import BenchRunError, load_charlm
+    from supervisor.exitcodes import EXIT_STOPPED
+    from supervisor.runtime.faults import FAULTS_ENV
+    from supervisor.runtime.plan import PLAN_ENV
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.environ[PLAN_ENV] = str(write_plan(workdir, run_id=run_id, policy_text=REPLAY_POLICY))
+    os.environ[FAULTS_ENV] = REPLAY_FAULT
+    charlm = load_charlm()
+    base = charlm.Session
+    steps_s: list[float] = []
+
+    class Replayed(base):
+        """Stops after the step at which the replay gave its verdict; times the steps before the fault."""
+
+        began = False
+        prev: float | None = None
+
+        def _after_step(self, max_steps: int) -> Any:
+            done = time.monotonic()
+            if self.prev is not None and not self.began and self.step > 1:
+                steps_s.append(done - self.prev)
+            action = super()._after_step(max_steps)
+            replaying = self._core.rollback.replay.active is not None
+            if self.began and not replaying:
+                self.request_stop("benchmark done")
+            self.began = self.began or replaying
+            self.prev = time.monotonic()
+            return action
+
+    charlm.Session = Replayed
+    try:
+        code = charlm.main(Example(size, batch_size, threads, device).charlm_args())
+    finally:
+        charlm.Session = base
+    reports = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines() if line]
+    verdicts = [r["replay"] for r in reports if r.get("kind") == "replay"]
+    if code != EXIT_STOPPED or len(verdicts) != 1:
+        raise BenchRunError(
+            f"replay run: expected one replay verdict and exit 3 (stopped), got {len(verdicts)} and exit {code}; "
+            f"see {workdir}"
+        )
+    (verdict,) = verdicts
+    return {"replay_s": verdict["seconds"], "verdict": verdict, "steps_s": steps_s, "fault": REPLAY_FAULT}
+
+
 def relaunch(out: Path, charlm_argv: list[str]) -> None:
     """Run the example on the plan in the environment until its first step is done; write the marks."""
     from benchmarks.common import load_charlm
@@ -258,12 +324,24 @@ def main(argv: list[str] | None = None) -> int:
     a_in.add_argument("--device", default="cpu")
     a_in.add_argument("--run-id", required=True)
     a_in.add_argument("--out", type=Path, required=True)
+    a_rp = sub.add_parser("replay")
+    a_rp.add_argument("--workdir", type=Path, required=True)
+    a_rp.add_argument("--size", default="100M")
+    a_rp.add_argument("--batch-size", type=int, default=1)
+    a_rp.add_argument("--threads", type=int, default=None)
+    a_rp.add_argument("--device", default="cpu")
+    a_rp.add_argument("--run-id", required=True)
+    a_rp.add_argument("--out", type=Path, required=True)
     a_re = sub.add_parser("relaunch")
     a_re.add_argument("--out", type=Path, required=True)
     a_re.add_argument("charlm_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.mode == "relaunch":
         relaunch(a.out, [x for x in a.charlm_args if x != "--"])
+        return 0
+    if a.mode == "replay":
+        result = replay(a.workdir.resolve(), a.size, a.batch_size, a.threads, a.run_id, a.device)
+        a.out.write_text(json.dumps(result, indent=2))
         return 0
     result = run(a.workdir.resolve(), a.size, a.batch_size, a.threads, a.anomalies, a.run_id, a.device)
     a.out.write_text(json.dumps(result, indent=2))

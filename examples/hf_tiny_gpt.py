@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     deterministic()
     trainer = build(args)
     trainer.train()  # a stop ends the process here with its exit code (75, 76, 3); a set-up mistake with 2
+    if torch.distributed.is_initialized():
+        # Under torchrun: release gloo's threads before the interpreter exits, or a finished rank can die of
+        # SIGABRT ("terminate called without an active exception") during finalization.
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -147,10 +147,15 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
         "relaunch_parked_s/naive_restart_s (step excluded)",
         "relaunch_preloaded_s/naive_restart_s",
         "relaunch_preloaded_s/naive_restart_s (step excluded)",
+        "replay_s/(2 steps + memory restore)",
         "supervisor_cpu_s/training_cpu_s",
     }
     assert result["complete"] is True and result["phases_done"] == result["phases_planned"]
-    assert result["phases_planned"][0] == "in_process" and result["phases_planned"][-1] == "supervisor_cpu"
+    assert result["phases_planned"][:2] == ["in_process", "replay"]
+    assert result["phases_planned"][-1] == "supervisor_cpu"
+    replay = result["replay"]  # one replay of a step a flipped bit made wrong: two steps and a memory restore
+    assert replay["verdict"] == "replay_mismatch" and replay["steps"] == 2
+    assert result["replay_s"] == replay["replay_s"] > 0 and replay["two_steps_and_restore_s"] > 0
     cost = result["supervisor_cpu"]
     assert cost["steps"] == 12 and result["supervisor_cpu_s"] == cost["supervisor_cpu_s"] > 0
     assert cost["timed_out"] is False and (cost["device"], cost["batch_size"]) == ("cpu", 1)

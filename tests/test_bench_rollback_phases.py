@@ -58,8 +58,24 @@ def bench(tmp_path: Path, *extra: str) -> tuple[int, Path]:
     return main([*argv, *extra]), out
 
 
-def test_phases_are_the_in_process_run_then_each_path_of_each_repetition():
-    assert phases(2) == ["in_process", *(f"{p}-1" for p in PATHS), *(f"{p}-2" for p in PATHS)]
+def test_phases_are_the_in_process_run_the_replay_then_each_path_of_each_repetition():
+    assert phases(2) == ["in_process", "replay", *(f"{p}-1" for p in PATHS), *(f"{p}-2" for p in PATHS)]
+
+
+def test_the_replay_is_judged_against_two_uninterrupted_steps_and_a_memory_restore():
+    info = {"size": "tiny", "reps": 1, "batch_size": 1, "threads": None, "load_start": 0}
+    verdict = {"verdict": "replay_mismatch", "steps": 2}
+    replayed = {"replay_s": 0.5, "steps_s": [0.2, 0.3, 0.2], "verdict": verdict, "fault": "sdc@3"}
+    got = summarize(INPROC, RELAUNCH[:1], NAIVE[:1], replayed=replayed, **info)
+    restore = got["in_process"]["restore_s"]
+    assert got["replay"]["two_steps_and_restore_s"] == pytest.approx(2 * 0.2 + restore)
+    assert got["targets"]["replay_s/(2 steps + memory restore)"] == {
+        "value": pytest.approx(0.5 / (0.4 + restore)),
+        "target": 1.0,
+        "met": 0.5 <= 0.4 + restore,
+    }
+    assert got["replay_s"] == 0.5 and got["replay"]["verdict"] == "replay_mismatch"
+    assert "replay" not in summarize(INPROC, RELAUNCH[:1], NAIVE[:1], **info)
 
 
 def test_each_phase_rewrites_the_file_incomplete_until_the_end(tmp_path: Path):

@@ -353,6 +353,11 @@ class RollbackSupervisorCallback(TrainerCallback):
             self._finish(state.global_step)
         self._close()
         if core.exit_code != exitcodes.EXIT_OK:
+            # The process ends with this code (the rest of the script does not run): release the Trainer's
+            # process group first, or gloo's threads can abort a rank during finalization (SIGABRT, exit -6),
+            # and the supervisor would see a crash instead of the stop every rank agreed on.
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
             raise SystemExit(core.exit_code)
 
     # -- driving the core --------------------------------------------------------------------------

@@ -430,10 +430,13 @@ class TrainingCore:
         if named is None:
             return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
         target, skip, lr_scale, *replay = json.loads(named)
+        started = self.rollback.replay.now()
         info = self.resources.need().restore(target)
         if replay:  # rank 0 replays the steps up to the onset: so does this rank, comparing its own values
             (metric, onset), event = replay[0], events[0] if events else None
-            self.rollback.replay.begin_named(metric, int(onset), info.step, event or _replayed_event(metric))
+            self.rollback.replay.begin_named(
+                metric, int(onset), info.step, event or _replayed_event(metric), started
+            )
             self.rollback.replay.device = self._device()
             return self._replaying(info)
         self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
@@ -454,8 +457,9 @@ class TrainingCore:
             if replay.settings.enabled:
                 log.warning("anomaly at step %d not replayed: %s; the policy's rule decides", step, why)
             return None
+        started = replay.now()
         info = self.rollback.restore_for_replay(store, target, step)
-        replay.begin(event, info.step)
+        replay.begin(event, info.step, started)
         replay.device = self._device()
         log.warning(
             "anomaly at step %d (%s): replaying steps %d-%d from the snapshot at step %d to tell data from hardware",

@@ -203,16 +203,25 @@ class Replayer:
             )
         return best, ""
 
-    def begin(self, event: Event, from_step: int) -> None:
-        """The state is back at `from_step`: replay up to the event's onset (this rank's own values)."""
+    def now(self) -> float:
+        """This replayer's clock: pass its reading before the restore to `begin`, so a verdict's `seconds`
+        counts the restore too."""
+        return self._clock()
+
+    def begin(self, event: Event, from_step: int, started: float | None = None) -> None:
+        """The state is back at `from_step` (since `started`): replay up to the event's onset (this rank's own
+        values)."""
         assert event.metric is not None and event.onset_step is not None
         self._done.add((event.metric, event.onset_step))
         expected = self.trail.values(event.metric, from_step, event.onset_step)
-        self.active = Replay(event, event.metric, event.onset_step, from_step, expected, self._clock())
+        began = self._clock() if started is None else started
+        self.active = Replay(event, event.metric, event.onset_step, from_step, expected, began)
 
-    def begin_named(self, metric: str, onset: int, from_step: int, event: Event) -> None:
+    def begin_named(
+        self, metric: str, onset: int, from_step: int, event: Event, started: float | None = None
+    ) -> None:
         """`begin` on a rank that did not see the event (under DDP rank 0 names metric and onset)."""
-        self.begin(Event(**{**asdict(event), "metric": metric, "onset_step": onset}), from_step)
+        self.begin(Event(**{**asdict(event), "metric": metric, "onset_step": onset}), from_step, started)
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> Local | None:
         """A replayed step ended: compare; at the onset, this rank's result (None before)."""
@@ -246,7 +255,7 @@ class Replayer:
             "onset_step": r.onset,
             "from_step": r.from_step,
             "steps": r.onset - r.from_step,
-            "seconds": self._clock() - r.started,
+            "seconds": self._clock() - r.started,  # the restore and the replayed steps
             "original": shown.original,
             "replayed": shown.replayed,
             "first_diff_step": first,
