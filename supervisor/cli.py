@@ -74,6 +74,7 @@ _command("run", "supervisor.commands.run")
 _command("status", "supervisor.commands.status")
 _command("drill", "supervisor.drill")
 _command("follow", "supervisor.commands.follow")
+_mount(app, "exclusions", "supervisor.commands.exclusions")
 _mount(app, "notify", "flows.notify")
 
 

@@ -20,6 +20,7 @@ from rich.text import Text
 from supervisor.errors import UserError
 from supervisor.layout import LineageLayout, is_url
 from supervisor.lineage import MAX_RECORD_BYTES, LineageRecordError, decode_record
+from supervisor.report.exclusions import exclusion_lines, exclusion_rows
 from supervisor.report.hangs import hang_lines, hang_rows
 from supervisor.report.timeline import (
     SEGMENT_COLUMNS,
@@ -231,6 +232,8 @@ def _shape_problem(record: Any) -> str | None:
         ("final_checkpoint", (str, type(None))),
         ("segments", (list, type(None))),
         ("storage", _OBJECT_OR_NULL),
+        ("excluded_hosts", (list, type(None))),
+        ("not_excluded", (list, type(None))),
     ):
         if key in record and not isinstance(record[key], kinds):
             return f"key {key!r}: found {_json_type(record[key])}"
@@ -288,6 +291,7 @@ def _view(directory: Path, record: dict[str, Any], workdir: Path) -> tuple[dict[
         "segments": display.get("segments") or [],
         "timeline": timeline_rows(display),
         "hangs": hang_rows(record),
+        **exclusion_rows(record),
         "checkpoint_store": str(store) if store else None,
         "checkpoint_store_problem": store_problem,
         "checkpoints": [dataclasses.asdict(i) for i in infos],
@@ -461,6 +465,8 @@ def print_lineage(console: Console, record: dict[str, Any], entry: dict[str, Any
     else:
         console.print("no events")
     for line in hang_lines(entry.get("hangs") or []):
+        console.print(Text(line))
+    for line in exclusion_lines(entry):
         console.print(Text(line))
     console.print(_checkpoint_table(entry, narrow))
 

@@ -33,6 +33,9 @@ class LaunchSpec:
     cwd: str | None = None
     inherit_env: bool = True
     name: str = ""  #: the job's name (lineage and segment), for a scheduler's `--job-name`
+    #: Hosts the segment must not run on (the lineage's `excluded_hosts`): SLURM `--exclude`, a Kubernetes node
+    #: anti-affinity, a multi-node follower that refuses; the local launchers run on this machine regardless.
+    exclude_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class ExitInfo:
     when it has none (the local launchers). When set, the decision step takes it over the exit code and stderr."""
     cause_evidence: Mapping[str, Any] = field(default_factory=dict)
     """What the launcher's verdict rests on (e.g. the SLURM job and its state), kept with the event."""
+    hosts: tuple[str, ...] = ()
+    """The hosts it ran on, where the launcher knows them (SLURM's nodelist, the pods' nodes, each node's
+    follower); empty: this machine (the local launchers)."""
 
 
 class SegmentHandle(Protocol):

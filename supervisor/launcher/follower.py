@@ -37,6 +37,8 @@ from supervisor.launcher.node_channel import NODE_ENV, Beat, Channel, read_json,
 log = logging.getLogger("rollback_supervisor.follower")
 
 EXIT_OWNER_LOST = 3
+#: The follower's exit when its host is excluded from the lineage: it refused its run order and left.
+EXIT_EXCLUDED = 4
 
 
 def reclaim_node(details: Mapping[str, Any]) -> bool:
@@ -85,6 +87,7 @@ class Follower:
         self.agent: LocalSegment | None = None
         self.exit: dict[str, Any] | None = None
         self.leaving = False
+        self.refused: str | None = None  #: why it refused a run order (its host is excluded); it then leaves
         self._logfile: Any = None
         self._log_lock = threading.Lock()
         self._wake = threading.Event()
@@ -148,6 +151,8 @@ class Follower:
         if order is not None and order.get("owner") == self.owner and int(order.get("seq", 0)) > self.seq:
             self._obey(order)
         self._collect()
+        if self.refused is not None and self.agent is None:
+            return EXIT_EXCLUDED
         if self.leaving and self.agent is None:
             return 0
         return None
@@ -159,7 +164,11 @@ class Follower:
         if action == "run":
             if self.agent is not None:  # a stale segment: the owner moved on without it
                 self._end_agent(0.0, signal.SIGKILL)
-            self._start(order)
+            host = socket.gethostname()
+            if host in (order.get("exclude_hosts") or []):
+                self._refuse(order, host)
+            else:
+                self._start(order)
         elif action == "stop":
             grace, sig = float(order.get("grace", 0.0)), int(order.get("signal", signal.SIGTERM))
             segment = order.get("segment")
@@ -177,6 +186,18 @@ class Follower:
         elif action == "exit":
             self.leaving = True
             self._end_agent(float(order.get("grace", 0.0)), int(order.get("signal", signal.SIGKILL)))
+
+    def _refuse(self, order: dict[str, Any], host: str) -> None:
+        """This host is excluded from the lineage: report the segment refused, and leave (a follower started on
+        another host takes this node's place)."""
+        self.segment = int(order["segment"])
+        self.refused = (
+            f"host {host} is excluded from this lineage (see `rollback-supervisor status`; "
+            "`rollback-supervisor exclusions clear` lets it back); start this node's follower on another host"
+        )
+        log.error("node %d: refusing segment %d: %s", self.node, self.segment, self.refused)
+        self.exit = {"returncode": None, "refused": self.refused, "signal_sent": None,
+                     "stderr_tail": "", "stdout_tail": ""}  # fmt: skip
 
     def _start(self, order: dict[str, Any]) -> None:
         self.segment = int(order["segment"])

@@ -37,10 +37,12 @@ from supervisor.launcher.kubernetes_manifests import (
 from supervisor.launcher.kubernetes_states import (
     SegmentState,
     pending_reason,
+    pod_node,
     pod_phase,
     segment_state,
     terminated,
 )
+from supervisor.lineage.exclusions import HostPool
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -115,6 +117,10 @@ class KubernetesLauncher:
                 ) from None
             raise KubernetesError(f"creating Job {name} failed: {exc}") from exc
         log.info("created Kubernetes Job %s/%s (%s)", namespace, name, spec.name)
+        if spec.exclude_hosts:
+            log.warning(
+                "Kubernetes Job %s: its pods avoid the excluded nodes %s", name, ", ".join(spec.exclude_hosts)
+            )
         return KubernetesJob(self, name, segment=spec.name or name, on_line=on_line)
 
     def read_job(self, name: str, namespace: str | None = None) -> dict[str, Any] | None:
@@ -136,6 +142,18 @@ class KubernetesLauncher:
             _request_timeout=REQUEST_TIMEOUT_SECONDS,
         )
         return [to_dict(self.api, pod) for pod in found.items]
+
+    def host_pool(self) -> HostPool:
+        """The nodes the policy's node selector allows, of which a segment needs `nodes`; unknown (None) where
+        the service account may not list nodes (examples/kubernetes/rbac.yaml grants get, not list)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(self.options.node_selector.items())) or None
+        try:
+            found = self.core.list_node(label_selector=selector, _request_timeout=REQUEST_TIMEOUT_SECONDS)
+        except Exception as exc:  # forbidden, or unreachable: the scheduler's placement is the only guard
+            log.warning("cannot list the cluster's nodes (%s); an exclusion is taken as named", exc)
+            return HostPool(self.options.nodes, None)
+        names = tuple(node.metadata.name for node in found.items)
+        return HostPool(self.options.nodes, names, f"{len(names)} node(s) match the node selector")
 
     def node_exists(self, node: str) -> bool:
         try:
@@ -279,6 +297,7 @@ class KubernetesJob:
         self._follow_lock = threading.Lock()  # stop() refreshes from another thread: one stream per pod
         self._waiting: str | None = None  # the last reason given for not starting, logged once
         self._ended_pods: set[str] = set()  # pods whose container has ended, as last read
+        self._nodes: set[str] = set()  # the nodes its pods were placed on, as read so far
 
     @property
     def handle_id(self) -> str:
@@ -329,6 +348,7 @@ class KubernetesJob:
         with self._follow_lock:
             self._follow(pods)
         self._ended_pods = {p["metadata"]["name"] for p in pods if terminated(p) is not None}
+        self._nodes |= {node for pod in pods if (node := pod_node(pod))}
         waiting = pending_reason(pods)
         if waiting and waiting != self._waiting:  # e.g. no node fits, or the image cannot be pulled
             log.warning("Kubernetes Job %s waits to start: %s", self.name, waiting)
@@ -408,6 +428,7 @@ class KubernetesJob:
             duration_s=self.launcher.clock() - self._t0,
             cause=state.cause,
             cause_evidence=state.evidence,
+            hosts=tuple(sorted(self._nodes)),
         )
 
 

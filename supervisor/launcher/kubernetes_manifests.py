@@ -22,6 +22,8 @@ SEGMENT_LABEL = "rollback-supervisor/segment"
 CONTAINER = "training"
 #: The pod's index in an Indexed Job, set by the Job controller as this annotation.
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+#: The node label an excluded host is kept off by (the node's name is matched too: they may differ).
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 _NOT_NAME = re.compile(r"[^a-z0-9-]+")
 
 
@@ -81,6 +83,23 @@ def _resources(options: KubernetesSpec) -> Any:
     return k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None)
 
 
+def exclusion_affinity(exclude_hosts: tuple[str, ...]) -> Any:
+    """A node affinity that keeps every pod off the excluded hosts (by hostname label and node name); None
+    when there are none. Required at scheduling: a pod never lands there, and waits if nothing else fits."""
+    if not exclude_hosts:
+        return None
+    k8s = client_module()
+    hosts = list(exclude_hosts)
+    term = k8s.V1NodeSelectorTerm(
+        match_expressions=[k8s.V1NodeSelectorRequirement(key=HOSTNAME_LABEL, operator="NotIn", values=hosts)],
+        match_fields=[k8s.V1NodeSelectorRequirement(key="metadata.name", operator="NotIn", values=hosts)],
+    )
+    selector = k8s.V1NodeSelector(node_selector_terms=[term])
+    return k8s.V1Affinity(
+        node_affinity=k8s.V1NodeAffinity(required_during_scheduling_ignored_during_execution=selector)
+    )
+
+
 def job_manifest(options: KubernetesSpec, spec: LaunchSpec, name: str) -> Any:
     """The segment's Job: Indexed, one pod per node, never retried by Kubernetes (the supervisor decides)."""
     k8s = client_module()
@@ -109,6 +128,7 @@ def job_manifest(options: KubernetesSpec, spec: LaunchSpec, name: str) -> Any:
         termination_grace_period_seconds=options.termination_grace_seconds,
         service_account_name=options.service_account,
         node_selector=dict(options.node_selector) or None,
+        affinity=exclusion_affinity(spec.exclude_hosts),
         tolerations=tolerations or None,
         volumes=volumes,
         subdomain=name if options.nodes > 1 else None,

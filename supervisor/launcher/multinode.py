@@ -41,6 +41,7 @@ from supervisor.launcher.follower import reclaim_node
 from supervisor.launcher.local import LocalLauncher
 from supervisor.launcher.node_channel import NODE_ENV, Beat, Channel, read_json, write_json
 from supervisor.launcher.torchrun import TorchrunLauncher, TorchrunOptions, root_cause_exitcode
+from supervisor.lineage.exclusions import HostPool
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -120,6 +121,7 @@ class NodeExit:
     agent_returncode: int | None = None  #: the torchrun agent's own exit (1 when a rank failed under it)
     lost_after_stop: bool = False  #: lost only after the owner's stop was sent: the stop explains it
     never_started: bool = False  #: stopped before its follower read the run order
+    host: str | None = None  #: the host its follower runs on, as its state file says
 
 
 def rank_returncode(agent_code: int | None, stderr_tail: str) -> int | None:
@@ -140,7 +142,9 @@ def _sigkilled(code: int | None) -> bool:
     return code in (-signal.SIGKILL, 128 + signal.SIGKILL)
 
 
-def combine_exits(nodes: list[NodeExit], *, signal_sent: int | None, handle_id: str) -> ExitInfo:
+def combine_exits(
+    nodes: list[NodeExit], *, signal_sent: int | None, handle_id: str, hosts: tuple[str, ...] = ()
+) -> ExitInfo:
     """One segment exit from every node's: a lost node is the launcher's verdict, else the first failure's code.
 
     See `is_lost`; a node lost after the owner's stop was sent is excused by it, one lost before is not. The
@@ -174,6 +178,8 @@ def combine_exits(nodes: list[NodeExit], *, signal_sent: int | None, handle_id: 
         )
         cause = NODE_LOST_CAUSE
         evidence = {"kind": NODE_LOST, "rule": NODE_LOST, "node": node.node, "why": why, "nodes": summary}
+        if node.host:
+            evidence["host"] = node.host
     else:
         evidence = {"nodes": summary}
     return ExitInfo(
@@ -185,6 +191,7 @@ def combine_exits(nodes: list[NodeExit], *, signal_sent: int | None, handle_id: 
         duration_s=max((n.duration_s for n in nodes), default=0.0),
         cause=cause,
         cause_evidence=evidence if cause else {},
+        hosts=hosts,
     )
 
 
@@ -332,6 +339,7 @@ class MultinodeLauncher:
                 command=list(command),
                 env=dict(spec.env_overrides),
                 cwd=spec.cwd,
+                exclude_hosts=list(spec.exclude_hosts),
             )
         try:
             # A follower that died (with its node) is replaced; an agent it left behind is ended first.
@@ -351,9 +359,20 @@ class MultinodeLauncher:
                 with contextlib.suppress(OSError):
                     self.order(node, "stop", segment=segment, grace=0.0, signal=int(signal.SIGKILL))
             raise
+        if socket.gethostname() in spec.exclude_hosts:
+            log.error("segment %s: node 0 runs here, on %s, which the lineage excludes; the owner's node cannot "
+                      "move: run the supervisor on another host", spec.name, socket.gethostname())  # fmt: skip
         log.info("segment %s: %d nodes, rendezvous %s at %s", spec.name, self.options.nodes, rdzv_id,
                  self.options.rdzv_endpoint)  # fmt: skip
         return MultinodeSegment(self, local, segment, rdzv_id, orders, on_line)
+
+    def host_pool(self) -> HostPool:
+        """Local followers: every node is this machine, which is never excluded. External ones: not known here
+        (a follower on an excluded host refuses its run order and leaves, for one elsewhere to take its node)."""
+        if self.options.followers == "local":
+            why = "followers: local runs every node on this machine"
+            return HostPool(self.options.nodes, (socket.gethostname(),), why)
+        return HostPool(self.options.nodes, None)
 
     def reclaim(self, details: Mapping[str, Any]) -> None:
         """Node 0's agent leads its process group; the other nodes' followers leave when this owner is gone."""
@@ -383,6 +402,7 @@ class MultinodeSegment:
         self.beats = {node: Beat(self.options.node_timeout_seconds, now) for node in orders}
         self.exits: dict[int, NodeExit] = {}
         self.remote_details: dict[int, Any] = {}
+        self.hosts: dict[int, str] = {0: socket.gethostname()}  #: each node's host, from its follower's state
         self._log_offsets = dict.fromkeys(orders, 0)
         self._signal_sent: int | None = None
         self._stop_at: float | None = None  #: when the owner's stop was sent (monotonic)
@@ -426,6 +446,8 @@ class MultinodeSegment:
             state = read_json(self.launcher.channel.state(node)) or {}
             if state.get("owner") == self.launcher.owner:
                 self.beats[node].see(state.get("beats"), now)
+                if isinstance(state.get("host"), str):
+                    self.hosts[node] = state["host"]
             took = int(state.get("seq", 0)) >= seq and state.get("segment") == self.segment
             if took and state.get("agent"):
                 self.remote_details[node] = {
@@ -436,6 +458,9 @@ class MultinodeSegment:
             done = state.get("exit") if took and state.get("status") == "exited" else None
             if done is not None and done.get("lost"):  # its follower was restarted under a running agent
                 self._lost(node, str(done["lost"]), now, now)
+            elif done is not None and done.get("refused"):  # its host is excluded: the follower left
+                log.error("segment %d: node %d refused: %s", self.segment, node, done["refused"])
+                self._lost(node, f"refused: {done['refused']}", now, now)
             elif done is not None and done.get("never_started"):
                 log.info("segment %d: node %d was stopped before it started", self.segment, node)
                 self._ended(
@@ -464,7 +489,9 @@ class MultinodeSegment:
         after_stop = self._stop_at is not None and since > self._stop_at
         log.error("segment %d: node %d lost%s: %s", self.segment, node,
                   " after our stop" if after_stop else "", why)  # fmt: skip
-        self._ended(NodeExit(node, None, lost=why, lost_after_stop=after_stop), now)
+        self._ended(
+            NodeExit(node, None, lost=why, lost_after_stop=after_stop, host=self.hosts.get(node)), now
+        )
 
     def _ended(self, node_exit: NodeExit, now: float) -> None:
         if node_exit.lost and node_exit.node in self.remote_details:
@@ -568,7 +595,10 @@ class MultinodeSegment:
     def wait(self, timeout: float | None = None) -> ExitInfo:
         if self.wait_exit(float("inf") if timeout is None else timeout) is None:
             raise TimeoutError(f"segment {self.rdzv_id}: nodes still running after {timeout}s")
-        return combine_exits(self._ordered(), signal_sent=self._signal_sent, handle_id=self.rdzv_id)
+        hosts = tuple(dict.fromkeys(self.hosts[n] for n in sorted(self.hosts)))
+        return combine_exits(
+            self._ordered(), signal_sent=self._signal_sent, handle_id=self.rdzv_id, hosts=hosts
+        )
 
 
 def torchrun_launcher(spec: TorchrunSpec, workdir: Path) -> Launcher:

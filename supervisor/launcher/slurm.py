@@ -28,9 +28,10 @@ from supervisor.errors import SupervisorError, UserError
 from supervisor.launcher.base import ExitInfo, Launcher, LaunchSpec, OnLine
 from supervisor.launcher.local import environment
 from supervisor.launcher.slurm_output import OutputFollower, size_of
-from supervisor.launcher.slurm_script import SlurmOptions, batch_script, segment_file
+from supervisor.launcher.slurm_script import SlurmOptions, batch_script, sbatch_command, segment_file
 from supervisor.launcher.slurm_states import JobStatus, job_cause, last_jobcomp, parse_job
 from supervisor.launcher.torchrun import TorchrunLauncher, TorchrunOptions, root_cause_exitcode
+from supervisor.lineage.exclusions import HostPool
 
 log = logging.getLogger("rollback_supervisor.launcher")
 
@@ -71,6 +72,7 @@ class _Submitted:
     job_id: str
     name: str
     segment_file: Path
+    exclude_hosts: tuple[str, ...] = ()
 
 
 class SlurmLauncher:
@@ -94,9 +96,16 @@ class SlurmLauncher:
         job_dir.mkdir(parents=True, exist_ok=True)
         command = self.command(spec.command)
         if self.options.relaunch == "requeue" and self._last is not None:
-            job = self._requeue(self._last, spec, command, on_line)
-            if job is not None:
-                return job
+            if self._last.exclude_hosts == spec.exclude_hosts:
+                job = self._requeue(self._last, spec, command, on_line)
+                if job is not None:
+                    return job
+            else:  # a requeued job keeps its node constraints: only a new job can avoid the new hosts
+                log.warning(
+                    "SLURM job %s is not requeued: the lineage now excludes %s; submitting a new job",
+                    self._last.job_id,
+                    ",".join(spec.exclude_hosts) or "no host",
+                )
         token = uuid.uuid4().hex[:12]
         seg_file = job_dir / f"{token}.segment.sh"
         seg_file.write_text(segment_file(spec, command))
@@ -107,16 +116,19 @@ class SlurmLauncher:
         env = dict(env) if env is not None else dict(os.environ)
         if not spec.inherit_env and "SLURM_CONF" in os.environ:  # the client still needs to find its cluster
             env.setdefault("SLURM_CONF", os.environ["SLURM_CONF"])
-        export = "--export=ALL" if spec.inherit_env else "--export=NONE"
-        done = slurm(["sbatch", "--parsable", export, str(script)], env=env, check=False)
+        submit = sbatch_command(script, inherit_env=spec.inherit_env, exclude_hosts=spec.exclude_hosts)
+        if spec.exclude_hosts:
+            log.warning("SLURM job %s: excluding %s (the lineage's excluded hosts)", name,
+                        ",".join(spec.exclude_hosts))  # fmt: skip
+        done = slurm(submit, env=env, check=False)
         if done.returncode != 0:
             raise UserError(
                 f"slurm launcher: sbatch refused the job ({done.stderr.strip()[-300:]}); check the policy's "
                 f"launcher.slurm options (script: {script})"
             )
         job_id = done.stdout.strip().split(";")[0]
-        self._last = _Submitted(job_id, name, seg_file)
-        log.info("submitted SLURM job %s (%s)", job_id, name)
+        self._last = _Submitted(job_id, name, seg_file, spec.exclude_hosts)
+        log.info("submitted SLURM job %s (%s): %s", job_id, name, " ".join(submit))
         return SlurmJob(self, job_id, name=name, relaunch="sbatch", on_line=on_line, offsets={})
 
     def _requeue(
@@ -138,6 +150,25 @@ class SlurmLauncher:
         return SlurmJob(
             self, last.job_id, name=last.name, relaunch="requeue", on_line=on_line, offsets=offsets
         )
+
+    def host_pool(self) -> HostPool:
+        """The nodes of the job's partition (`sinfo`), of which a segment needs `nodes`."""
+        args = ["sinfo", "--noheader", "--Node", "--format=%N"]
+        if self.options.partition:
+            args.append(f"--partition={self.options.partition}")
+        done = slurm(args)
+        nodes = tuple(dict.fromkeys(line.strip() for line in done.stdout.splitlines() if line.strip()))
+        where = f"partition {self.options.partition}" if self.options.partition else "the cluster"
+        return HostPool(self.options.nodes, nodes, f"{where} has {len(nodes)} node(s)")
+
+    def hostnames(self, nodelist: str) -> tuple[str, ...]:
+        """A job's NodeList (`gpu[01-03]`) as node names (`scontrol show hostnames`); none when unassigned."""
+        if not nodelist or nodelist in ("(null)", "None", "None assigned"):
+            return ()
+        done = slurm(["scontrol", "show", "hostnames", nodelist], check=False)
+        if done.returncode != 0:
+            return tuple(nodelist.split(","))
+        return tuple(line.strip() for line in done.stdout.splitlines() if line.strip())
 
     def output_paths(self, job_id: str) -> dict[str, Path]:
         job_dir = self.options.job_dir.resolve()
@@ -317,6 +348,11 @@ class SlurmJob:
         returncode = status.returncode
         if self.options.nproc_per_node > 1 and returncode == 1:  # torchrun's agent: report the failed rank's
             returncode = root_cause_exitcode(self._output.tail("stderr")) or returncode
+        try:
+            hosts = self.launcher.hostnames(status.fields.get("NodeList", ""))
+        except (SupervisorError, subprocess.TimeoutExpired) as exc:
+            log.warning("SLURM job %s: its nodes are unknown (%s)", self.job_id, exc)
+            hosts = ()
         return ExitInfo(
             returncode=returncode,
             stderr_tail=self._output.tail("stderr"),
@@ -326,6 +362,7 @@ class SlurmJob:
             duration_s=self.launcher.clock() - self._t0,
             cause=cause,
             cause_evidence=evidence,
+            hosts=hosts,
         )
 
 

@@ -87,6 +87,17 @@ class SlurmOptions:
         return lines + list(self.extra_sbatch)
 
 
+def sbatch_command(script: Path, *, inherit_env: bool, exclude_hosts: tuple[str, ...] = ()) -> list[str]:
+    """The `sbatch` command line that submits `script`: its environment, and the lineage's excluded hosts."""
+    command = ["sbatch", "--parsable", "--export=ALL" if inherit_env else "--export=NONE"]
+    if exclude_hosts:
+        bad = [h for h in exclude_hosts if not h or any(c in h for c in ", \t\n=")]
+        if bad:
+            raise UserError(f"slurm launcher: excluded host names must be SLURM node names, got {bad!r}")
+        command.append(f"--exclude={','.join(exclude_hosts)}")
+    return [*command, str(script)]
+
+
 def batch_script(options: SlurmOptions, name: str, segment_file: Path) -> str:
     """The batch script: source the segment file, `srun` its command, and wait for it through signals."""
     sbatch = "\n".join(f"#SBATCH {line}" for line in options.sbatch_lines(name))

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from supervisor.lineage.exclusions import excluded_names
+
 JsonDict = dict[str, Any]
 _R = TypeVar("_R", bound="_JsonRecord")
 _BOOKKEEPING = ("extra", "absent")
@@ -85,7 +87,7 @@ def _encode(value: Any) -> Any:
 class SegmentRecord(_JsonRecord):
     """One launch of the training command: where and how it ran, how it ended, and what was decided."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures", "stacks"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures", "stacks", "hosts"})
 
     index: int
     started: float
@@ -104,6 +106,9 @@ class SegmentRecord(_JsonRecord):
     in_process: list[JsonDict] = field(default_factory=list)  #: events.jsonl records handled in process
     save_failures: list[JsonDict] | None = None  #: checkpoint saves that failed while it ran
     stacks: JsonDict | None = None  #: every rank's Python stacks when it hung (`HangStacks.to_dict()`)
+    hosts: list[str] | None = (
+        None  #: the hosts it ran on, as its launcher saw them (SLURM's nodelist, pods' nodes)
+    )
     extra: JsonDict = field(default_factory=dict, repr=False)
     absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
@@ -149,7 +154,9 @@ class LineageRecord(_JsonRecord):
     Written by one lease holder at a time (see supervisor.lineage.store for the fencing); not thread-safe.
     """
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"lease_token", "mlflow_previous"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset(
+        {"lease_token", "mlflow_previous", "excluded_hosts", "not_excluded"}
+    )
 
     lineage: str
     status: str
@@ -169,6 +176,10 @@ class LineageRecord(_JsonRecord):
     segments: list[SegmentRecord] = field(default_factory=list)
     lease_token: int | None = None  #: the fencing token of the last write
     mlflow_previous: list[JsonDict] | None = None  #: runs the lineage logged to before it moved
+    #: Hosts the next launches avoid, each {host, reason, event, segment, time} (`lineage.exclusions`).
+    excluded_hosts: list[JsonDict] | None = None
+    #: Hosts an event blamed but that were kept, each as above with reason "not excluded: <why>".
+    not_excluded: list[JsonDict] | None = None
     extra: JsonDict = field(default_factory=dict, repr=False)
     absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
@@ -183,6 +194,10 @@ class LineageRecord(_JsonRecord):
     def running_seconds(self) -> float:
         """How long its finished segments ran: the lineage's age for the failure rate, idle time left out."""
         return running_seconds(self.segments)
+
+    def exclusions(self) -> tuple[str, ...]:
+        """The hosts the next launches avoid (`excluded_hosts`), once each."""
+        return excluded_names(self.excluded_hosts or [])
 
 
 def running_seconds(segments: list[SegmentRecord] | list[JsonDict]) -> float:

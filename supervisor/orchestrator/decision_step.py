@@ -9,6 +9,7 @@ checkpoint when the lineage ends. Not thread-safe; the runner's thread only.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,6 +18,7 @@ from policies.records import to_records
 from supervisor import exitcodes
 from supervisor.checkpoint.view import MergedCatalog
 from supervisor.events import Event
+from supervisor.lineage.exclusions import HostPool, admit, blames, exclusions_from
 from supervisor.lineage.record import LineageRecord, SegmentRecord
 from supervisor.monitor import classify_exit
 from supervisor.orchestrator.events_log import EventsLog, same_incident
@@ -75,6 +77,7 @@ class DecisionStep:
         run: RunTracking,
         save: Callable[[], None],
         clock: Callable[[], float],
+        host_pool: Callable[[], HostPool] | None = None,
     ):
         self.policy = policy
         self.history = history
@@ -83,6 +86,9 @@ class DecisionStep:
         self.run = run
         self.save = save
         self.clock = clock
+        #: What the launcher can place a segment on, asked only when an event blames a host; None: this
+        #: machine alone (the local launcher), which is never excluded.
+        self.host_pool = host_pool or this_machine
 
     def conclude(self, record: LineageRecord, result: SegmentResult) -> Decision | None:
         """Record how the segment ended and decide what next; None means the run finished or stopped."""
@@ -91,6 +97,8 @@ class DecisionStep:
         seg.returncode = result.exit.returncode
         seg.signal_sent = result.exit.signal_sent
         seg.last_step = result.last_step
+        if result.exit.hosts:
+            seg.put(hosts=list(result.exit.hosts))
         reported = self.fold_reports(record, seg)
         event = result.stopped_for or reported or self.classify(result)
         seg.event = event.to_dict() if event else None
@@ -148,6 +156,9 @@ class DecisionStep:
         records, offset = self.events.since(record.events_offset)
         reported = self.fold(seg, records)
         record.put(events_consumed=record.events_consumed + len(records), events_offset=offset)
+        for rec in records:  # a replay mismatch names the hosts whose values parted; training went on
+            if rec.get("kind") == "replay" and isinstance(rec.get("event"), dict):
+                self.exclude(record, seg, Event.from_dict(rec["event"]), relaunches=False)
         return reported
 
     def fold(self, seg: SegmentRecord, records: list[dict[str, Any]]) -> Event | None:
@@ -188,10 +199,39 @@ class DecisionStep:
         self.history.record(event, decision, self.clock())
         if decision.relaunches:
             record.next_restore = restore_after(decision).__dict__
+        self.exclude(record, seg, event, relaunches=decision.relaunches)
         self.save()
         self.tag(decision, in_process=False)
         log.warning("decision: %s", decision.reason)
         return decision
+
+    def exclude(self, record: LineageRecord, seg: SegmentRecord, event: Event, *, relaunches: bool) -> None:
+        """Add the hosts `event` blames to the lineage's `excluded_hosts`, or to `not_excluded` saying why.
+
+        The supervisor's own host counts as where the segment ran only when the launcher places segments there
+        (the local launchers), never for a scheduler's job whose nodes are unknown.
+        """
+        if not blames(event, relaunches):
+            return
+        pool = self.host_pool()
+        ran_on = seg.hosts or ([seg.host] if seg.host and seg.host in (pool.hosts or ()) else [])
+        found = exclusions_from(event, ran_on, segment=seg.index, time=self.clock())
+        if not found:
+            log.warning("segment %d: %s names no host, and where it ran is unknown; nothing excluded",
+                        seg.index, event.type)  # fmt: skip
+        for entry in admit(found, record.exclusions(), pool):
+            key = "excluded_hosts" if entry.excluded else "not_excluded"
+            record.put(**{key: [*(getattr(record, key) or []), entry.to_dict()]})
+            if entry.excluded:
+                log.warning("segment %d: host %s excluded from the next launches (%s)",
+                            seg.index, entry.host, entry.reason)  # fmt: skip
+            else:
+                log.warning(
+                    "segment %d: host %s %s; the next launches may use it",
+                    seg.index,
+                    entry.host,
+                    entry.reason,
+                )
 
     def decide(self, event: Event) -> Decision:
         """Decide, re-deciding if the chosen checkpoint fails full verification (it is then marked invalid)."""
@@ -234,6 +274,11 @@ class DecisionStep:
         else:
             final = catalog.best(keep_best.metric, keep_best.mode) or catalog.latest()
         return final.id if final else None
+
+
+def this_machine() -> HostPool:
+    """The pool of a launcher that runs every segment on the supervisor's machine."""
+    return HostPool(1, (socket.gethostname(),), "the segments run on this machine only")
 
 
 def restore_after(decision: Decision) -> RestoreSpec:

@@ -37,11 +37,12 @@ from supervisor.launcher.torchrun import TorchrunLauncher
 from supervisor.launcher.warmup import warm_checkpoint
 from supervisor.layout import LineageLayout
 from supervisor.lineage import Lease, LineageRecord, MlflowRef, SegmentRecord
+from supervisor.lineage.exclusions import HostPool
 from supervisor.monitor import Monitor, stack_dump
 from supervisor.monitor.shipper import SpoolShipper, ship_leftovers
 from supervisor.orchestrator import book as lifecycle
 from supervisor.orchestrator.book import LineageBook
-from supervisor.orchestrator.decision_step import DecisionStep, MlflowRun
+from supervisor.orchestrator.decision_step import DecisionStep, MlflowRun, this_machine
 from supervisor.orchestrator.events_log import EventsLog
 from supervisor.orchestrator.options import Outcome, RunOptions, SegmentResult, StepRunner, run_inline
 from supervisor.orchestrator.segment_run import SegmentRun, SegmentSettings, start_step
@@ -183,6 +184,7 @@ class LineageRunner:
             run=MlflowRun(self.client, record.mlflow.run_id),
             save=self._save,
             clock=self.clock,
+            host_pool=self._host_pool,
         )
         self.pending = self.decisions.decide_interrupted(record)
         self._save()
@@ -379,7 +381,13 @@ class LineageRunner:
             warm_checkpoint(self.layout.checkpoints, plan.restore.checkpoint_id)
         return run.run(
             seg,
-            LaunchSpec(command, env_overrides=env, cwd=o.cwd, name=f"{o.lineage}-{index}"),
+            LaunchSpec(
+                command,
+                env_overrides=env,
+                cwd=o.cwd,
+                name=f"{o.lineage}-{index}",
+                exclude_hosts=record.exclusions(),
+            ),
             heartbeat_path=plan.heartbeat_path,
             log_path=self.layout.local / "segments" / f"{index}.log",
             open_watcher=open_watcher,
@@ -410,6 +418,19 @@ class LineageRunner:
 
     def _launcher(self) -> Launcher:
         return self.options.launcher if self.options.launcher is not None else LocalLauncher()
+
+    def _host_pool(self) -> HostPool:
+        """What the launcher can place a segment on (a scheduler asks its cluster); the local ones: this machine."""
+        pool = getattr(self._launcher(), "host_pool", None)
+        if not callable(pool):
+            return this_machine()
+        try:
+            return pool()
+        except Exception as exc:  # the scheduler did not answer: its own placement is the only guard left
+            log.warning(
+                "could not read the hosts the launcher can use (%s); exclusions are taken as named", exc
+            )
+            return HostPool(1, None)
 
     def _monitor(self, plan: LaunchPlan) -> Monitor:
         return Monitor.from_specs(
