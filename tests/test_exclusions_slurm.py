@@ -3,6 +3,7 @@ hardware fault on its only node keeps the node (a segment needs one), and an exc
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from pathlib import Path
@@ -84,3 +85,25 @@ def test_a_fault_on_the_only_node_keeps_it_and_an_exclusion_reaches_the_job(slur
     finally:
         job.stop(30)
         job.wait(30)
+
+
+def test_a_requeue_lineage_submits_a_new_job_when_its_exclusions_change(slurm_cluster, tmp_path: Path):  # noqa: F811
+    options = SlurmOptions(
+        job_dir=tmp_path / "jobs", poll_seconds=0.2, warning_seconds=None, relaunch="requeue"
+    )
+    launcher = SlurmLauncher(options)
+    first = launcher.start(LaunchSpec((sys.executable, "-c", "pass"), name="rq-0"))
+    assert first.wait(120).returncode == 0  # done: `scontrol requeue` could run it again
+    # Its one node is now excluded: held, since SLURM refuses a job that no node could run (the supervisor never
+    # excludes that much); a requeue would keep the first job's id, and its constraints.
+    launcher.options = dataclasses.replace(options, extra_sbatch=("--hold",))
+    second = launcher.start(
+        LaunchSpec((sys.executable, "-c", "pass"), name="rq-1", exclude_hosts=("localhost",))
+    )
+    try:
+        assert second.job_id != first.job_id and second.relaunch == "sbatch"
+        shown = parse_job(slurm(["scontrol", "show", "job", "-o", second.job_id]).stdout)
+        assert shown.fields["ExcNodeList"] == "localhost" and shown.queued
+    finally:
+        second.stop(30)
+        second.wait(30)
