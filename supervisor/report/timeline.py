@@ -19,7 +19,13 @@ MAX_TAG_CHARS = 5000
 RELAUNCH_ACTIONS = frozenset({"resume", "rollback"})
 #: Terminals narrower than this get the short event table, with the reasons listed under it.
 WIDE_TABLE_COLUMNS = 120
-ACTION_STYLES = {"rollback": "magenta", "resume": "yellow", "stop": "green", "fail": "bold red", "replay": "cyan"}
+ACTION_STYLES = {
+    "rollback": "magenta",
+    "resume": "yellow",
+    "stop": "green",
+    "fail": "bold red",
+    "replay": "cyan",
+}
 
 
 def split_branches(points: list[Point]) -> tuple[list[Point], list[Point]]:
