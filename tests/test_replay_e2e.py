@@ -17,7 +17,6 @@ import math
 import socket
 import struct
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,10 @@ import pytest
 
 from supervisor import exitcodes
 from supervisor.spool import SpoolReader
-from tests.segmentkit import segment_env
+from tests.test_faults_hardware_e2e import segment
 
 pytestmark = [pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[1]
-RUN_ID = "0" * 32
-EXAMPLE = ["--size", "tiny", "--batch-size", "4", "--eval-every", "1000", "--threads", "1"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 STEPS = 8
 
 POLICY = """\
@@ -56,18 +51,7 @@ limits: {max_rollbacks: 1}
 def run(
     workdir: Path, faults: str, *, ranks: int = 1, exit_code: int = exitcodes.EXIT_OK
 ) -> subprocess.CompletedProcess:
-    env = segment_env(workdir, RUN_ID, f"sqlite:///{workdir / 'unused.db'}", faults)
-    (workdir / "policy.yaml").write_text(POLICY)
-    env["OMP_NUM_THREADS"] = "1"
-    head = TORCHRUN if ranks > 1 else [sys.executable]
-    proc = subprocess.run(
-        [*head, "examples/charlm.py", *EXAMPLE, "--steps", str(STEPS)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = segment(workdir, faults, POLICY, STEPS, ranks=ranks)
     assert proc.returncode == exit_code, proc.stderr[-4000:]
     return proc
 
