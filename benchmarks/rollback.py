@@ -422,10 +422,13 @@ def summarize(
                 "verdict": replayed["verdict"]["verdict"],
                 "steps": replayed["verdict"]["steps"],
                 "fault": replayed["fault"],
-                "note": "monitor.replay on, a bit flipped once after step 3's update (the drill's sdc@3): the "
-                "replay restores the snapshot of step 2 from the memory ring and runs steps 3 and 4 again "
-                "(replay_s: from the anomaly to the verdict, restore included); the budget is two uninterrupted "
-                "steps of the same run plus the in-process run's memory restore",
+                "from_step": replayed["verdict"]["from_step"],
+                "onset_step": replayed["verdict"]["onset_step"],
+                "note": "monitor.replay on, checkpoints every 4 steps, a bit flipped once after step 5's update "
+                "(the drill's sdc@5): the replay restores the snapshot of step 4 from the memory ring and runs "
+                "steps 5 and 6 again (replay_s: from the anomaly to the verdict, restore included); the budget "
+                "is two uninterrupted steps of the same run (the median of the steps before the fault) plus the "
+                "in-process run's memory restore",
             },
         }
     # With the step included, no recovery path can be faster than the step itself: the in-process ratio's floor.

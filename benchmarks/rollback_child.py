@@ -14,7 +14,7 @@ marks at import, build, session set-up, restore and the first step, then it stop
     python -m benchmarks.rollback_child relaunch --out W/relaunch-0.json -- [charlm args]   # plan in env
     python -m benchmarks.rollback_child replay --workdir W/replay --size 100M --run-id R --out W/replay.json
 
-`replay`: the example with `monitor.replay` on and a bit flipped once (`sdc@3`): the cost of one replay (the
+`replay`: the example with `monitor.replay` on and a bit flipped once (`sdc@5`): the cost of one replay (the
 restore from the memory ring and the two replayed steps), from the replay's own record.
 """
 
@@ -54,10 +54,13 @@ limits:
 """
 STEPS = 1000  # never reached: the runs stop after the measured step
 
-#: The replay run: `sdc@3` flips a weight after step 3's update, step 4's loss is wrong, and the replay runs
-#: steps 3 and 4 again from the snapshot of step 2 (at least two steps before the onset).
-REPLAY_FAULT = "sdc@3"
-REPLAY_POLICY = POLICY.replace("name: bench-rollback", "name: bench-replay").replace(
+#: The replay run: checkpoints every 4 steps; `sdc@5` flips a weight after step 5's update, step 6's loss is
+#: wrong, and the replay runs steps 5 and 6 again from the snapshot of step 4 (at least two steps before the
+#: onset). Steps 1-3 are the uninterrupted steps it is judged against (no save in or beside them).
+REPLAY_FAULT = "sdc@5"
+REPLAY_POLICY = (
+    POLICY.replace("name: bench-rollback", "name: bench-replay").replace("every_steps: 2", "every_steps: 4")
+).replace(
     "    - {type: non_finite, metrics: [loss]}\n",
     "    - {type: non_finite, metrics: [loss]}\n    - {type: threshold, metric: loss, above: 100}\n"
     "  replay: {enabled: true, max_steps: 4, when: [non_finite, threshold]}\n",

@@ -64,8 +64,8 @@ def test_phases_are_the_in_process_run_the_replay_then_each_path_of_each_repetit
 
 def test_the_replay_is_judged_against_two_uninterrupted_steps_and_a_memory_restore():
     info = {"size": "tiny", "reps": 1, "batch_size": 1, "threads": None, "load_start": 0}
-    verdict = {"verdict": "replay_mismatch", "steps": 2}
-    replayed = {"replay_s": 0.5, "steps_s": [0.2, 0.3, 0.2], "verdict": verdict, "fault": "sdc@3"}
+    verdict = {"verdict": "replay_mismatch", "steps": 2, "from_step": 4, "onset_step": 6}
+    replayed = {"replay_s": 0.5, "steps_s": [0.2, 0.3, 0.2], "verdict": verdict, "fault": "sdc@5"}
     got = summarize(INPROC, RELAUNCH[:1], NAIVE[:1], replayed=replayed, **info)
     restore = got["in_process"]["restore_s"]
     assert got["replay"]["two_steps_and_restore_s"] == pytest.approx(2 * 0.2 + restore)
