@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from supervisor.events import Event
 
-ActionName = Literal["resume", "rollback", "stop", "fail"]
+ActionName = Literal["resume", "rollback", "stop", "fail", "warn"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,7 +17,8 @@ class Decision:
 
     `lr_scale` is this decision's own factor, applied on top of the learning rate restored from the target
     checkpoint (1.0 = unchanged); it is not a product over earlier rollbacks.
-    A relaunch (`resume`/`rollback`) with `target_id` None restarts from scratch at step 0.
+    A relaunch (`resume`/`rollback`) with `target_id` None restarts from scratch at step 0. `warn` names no
+    target: training goes on where it is.
     `fallback` is True when the rule's target matched no checkpoint and the newest one the rule may relaunch from
     was taken instead (the reason says why); it is written only when True, so older records read back unchanged.
     """

@@ -32,6 +32,7 @@ def decide(
     True, the reason says why) unless the target is `strict`; with none at all, `allow_scratch` decides.
     `in_process`: the training process asks and carries out a rollback with a target itself, so that
     decision has no relaunch delay and says so.
+    A `warn` rule's decision spends no budget and is never refused for a spent one: training goes on.
     """
     what = describe_event(event)
     if event.type not in EVENT_TYPES:
@@ -49,6 +50,8 @@ def decide(
         return _fail(event, index, f"{head}; the policy says fail")
     if rule.action == "stop":
         return _stop(policy, event, index, head, catalogue)
+    if rule.action == "warn":
+        return _warn(policy, event, index, head, history)
     return _relaunch(policy, rule, index, head, event, history, catalogue, now, rng_seed, in_process)
 
 
@@ -83,6 +86,18 @@ def _stop(
         target_id=chosen.id if chosen else None,
         target_step=chosen.step if chosen else None,
         reason=f"{head}; stopping the run successfully, {kept}",
+        rule_index=index,
+        event=event,
+    )
+
+
+def _warn(policy: Policy, event: Event, index: int, head: str, history: History) -> Decision:
+    limits = policy.limits
+    return Decision(
+        action="warn",
+        reason=f"{head}; warning only: training goes on (no restore, no stop, no relaunch); budgets untouched: "
+        f"{limits.max_rollbacks - history.rollbacks} of {limits.max_rollbacks} rollbacks, "
+        f"{limits.max_restarts - history.restarts} of {limits.max_restarts} restarts left",
         rule_index=index,
         event=event,
     )

@@ -16,9 +16,12 @@ from supervisor.script.output import glob_regex, pattern_problem
 from supervisor.script.template import BUILTIN_FIELDS, ArgTemplate, TemplateError
 
 Mode = Literal["min", "max"]
-Action = Literal["resume", "rollback", "stop", "fail"]
+Action = Literal["resume", "rollback", "stop", "fail", "warn"]
 ACTIONS: tuple[str, ...] = Action.__args__  # type: ignore[attr-defined]
 RELAUNCH_ACTIONS = frozenset({"resume", "rollback"})
+#: Events `warn` may answer: found while training goes on, with a state worth training on. Not `non_finite`
+#: (NaN or infinite weights: training on saves nothing), nor the process events (the process is gone, or hung).
+WARN_EVENTS: tuple[str, ...] = ("spike", "divergence", "threshold", "plateau", "straggler")
 
 
 class KeepBest(Spec):
@@ -118,7 +121,8 @@ class Rule(Spec):
     action: Action = Field(
         description="`resume` relaunches from the target, `rollback` relaunches from an earlier checkpoint "
         "(never one saved at or after the anomaly's onset), `stop` ends the run successfully keeping the best "
-        "checkpoint, `fail` ends it as failed."
+        "checkpoint, `fail` ends it as failed, `warn` records and reports the event and training goes on "
+        "(no restore, no stop, no relaunch, no budget spent; for " + ", ".join(WARN_EVENTS) + " only)."
     )
     target: Target | None = Field(
         None,
@@ -157,6 +161,10 @@ class Rule(Spec):
                 "a target for action rollback, e.g. {select: before, lookback_steps: 100}",
                 raw="no target",
             )
+        if self.action == "warn":
+            for i, event in enumerate(self.when):
+                if event not in WARN_EVENTS:
+                    raise problem(f"when.{i}", _warn_refusal(event), event)
         if self.action not in RELAUNCH_ACTIONS:
             for key in ("target", "skip_batches", "lr_scale", "allow_scratch"):
                 if key in self.model_fields_set:
@@ -164,6 +172,18 @@ class Rule(Spec):
                     found = value.model_dump(by_alias=True) if isinstance(value, Spec) else value
                     raise problem(key, f"no {key} with action {self.action} (nothing is relaunched)", found)
         return self
+
+
+def _warn_refusal(event: str) -> str:
+    """What a warn rule may name instead of `event`, and why not it."""
+    why = (
+        "NaN or infinite values leave nothing worth training on: roll back"
+        if event == "non_finite"
+        else "the process is hung: resume or fail"
+        if event == "hang"
+        else "the process is gone, so there is nothing to train on: resume or fail"
+    )
+    return f"an event type warn can leave training on ({', '.join(WARN_EVENTS)}; for {event}, {why})"
 
 
 class Backoff(Spec):

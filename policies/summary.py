@@ -8,6 +8,7 @@ from policies.monitor_schema import (
     NonFiniteSpec,
     PlateauSpec,
     SpikeSpec,
+    StragglerSpec,
     ThresholdSpec,
 )
 from policies.schema import Policy, Rule, ScriptCheckpoints
@@ -109,6 +110,11 @@ def _detector(spec: object) -> str:
         )
     if isinstance(spec, HangSpec):
         return f"fires after {spec.seconds:g} s without a heartbeat or metric."
+    if isinstance(spec, StragglerSpec):
+        return (
+            f"fires when one rank's step takes {spec.factor:g} x the other ranks' median, and at least "
+            f"{spec.min_gap_seconds:g} s more, for {spec.patience} steps in a row (torchrun only)."
+        )
     raise TypeError(f"unknown detector spec {type(spec).__name__}")
 
 
@@ -120,6 +126,11 @@ def _on_event(policy: Policy, event_type: str) -> str:
     where = f"rules[{index}]:"
     if rule.action == "fail":
         return f"{where} the run fails."
+    if rule.action == "warn":
+        return (
+            f"{where} warn: the event and the decision are logged and recorded, and training goes on "
+            "(no restore, no stop, no relaunch, no budget spent)."
+        )
     if rule.action == "stop":
         keep = policy.checkpoint.keep_best
         best = f"the best checkpoint by {keep.metric}" if keep else "the newest checkpoint"

@@ -54,7 +54,7 @@ def test_explain_of_an_invalid_file_exits_2(tmp_path, capsys):
     bad.write_text("version: 1\nname: x\nrules: [{when: [oom], action: explode}]\n")
     assert main(["policy", "explain", str(bad)]) == 2
     assert capsys.readouterr().err == (
-        f'error: {bad}:3:31: rules[0].action: expected one of resume, rollback, stop, fail, got "explode"\n'
+        f'error: {bad}:3:31: rules[0].action: expected one of resume, rollback, stop, fail, warn, got "explode"\n'
     )
 
 

@@ -87,7 +87,7 @@ def _encode(value: Any) -> Any:
 class SegmentRecord(_JsonRecord):
     """One launch of the training command: where and how it ran, how it ended, and what was decided."""
 
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures", "stacks", "hosts"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"save_failures", "stacks", "hosts", "warnings"})
 
     index: int
     started: float
@@ -109,6 +109,8 @@ class SegmentRecord(_JsonRecord):
     hosts: list[str] | None = (
         None  #: the hosts it ran on, as its launcher saw them (SLURM's nodelist, pods' nodes)
     )
+    #: {time, event, decision} of each event the supervisor's monitor saw and the policy only warned about
+    warnings: list[JsonDict] | None = None
     extra: JsonDict = field(default_factory=dict, repr=False)
     absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 

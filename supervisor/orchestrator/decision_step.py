@@ -179,7 +179,10 @@ class DecisionStep:
                 decision = Decision.from_dict(rec["decision"])
                 self.history.record(decision.event, decision, rec["time"])
                 seg.in_process.append(rec)
-                handled.append(event)
+                if decision.action != "warn":  # a warning handled nothing: training went on
+                    handled.append(event)
+                else:
+                    log.warning("segment %d: %s", seg.index, decision.reason)
                 self.tag(decision, in_process=True)
             elif any(same_incident(h, event) for h in handled):
                 seg.in_process.append({**rec, "part_of_incident": True})
@@ -199,11 +202,35 @@ class DecisionStep:
         self.history.record(event, decision, self.clock())
         if decision.relaunches:
             record.next_restore = restore_after(decision).__dict__
+        elif decision.action == "warn":  # the segment stopped for it anyway: go on from its newest state
+            record.next_restore = RestoreSpec().__dict__
+            log.warning(
+                "segment %d stopped for %s, which the policy only warns about; the next segment resumes from "
+                "the newest valid checkpoint (no budget spent)",
+                seg.index,
+                event.type,
+            )
         self.exclude(record, seg, event, relaunches=decision.relaunches)
         self.save()
         self.tag(decision, in_process=False)
         log.warning("decision: %s", decision.reason)
         return decision
+
+    def warn(self, seg: SegmentRecord, event: Event) -> bool:
+        """If the policy only warns about `event`, seen while `seg` runs: decide and record that (the history,
+        the segment's `warnings`, an MLflow tag, the log), and True: the segment runs on; no host is excluded."""
+        match = self.policy.rule_for(event.type)
+        if match is None or match[1].action != "warn":
+            return False
+        now = self.clock()
+        decision = decide(self.policy, event, self.history, [], now=now)
+        self.history.record(event, decision, now)
+        entry = {"time": now, "event": event.to_dict(), "decision": decision.to_dict()}
+        seg.put(warnings=[*(seg.warnings or []), entry])
+        self.save()
+        self.tag(decision, in_process=False)
+        log.warning("segment %d: %s", seg.index, decision.reason)
+        return True
 
     def exclude(self, record: LineageRecord, seg: SegmentRecord, event: Event, *, relaunches: bool) -> None:
         """Add the hosts `event` blames to the lineage's `excluded_hosts`, or to `not_excluded` saying why.

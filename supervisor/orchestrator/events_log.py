@@ -2,7 +2,8 @@
 
 Also what makes two reports one incident: one anomaly can show on several metrics and detectors at one step
 (a spike on the loss and the grad norm over its threshold; NaN gradients make the loss NaN too), so any two
-metric events with (nearly) the same onset are one incident and get one decision.
+metric events with (nearly) the same onset are one incident and get one decision. A `warn` is no incident:
+training went on, so what comes after it is decided on its own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,21 @@ log = logging.getLogger("rollback_supervisor.orchestrator")
 def same_incident(a: Event, b: Event) -> bool:
     """Two metric events with (nearly) one onset are one incident, whatever their type or metric."""
     return a.type in METRIC_EVENTS and b.type in METRIC_EVENTS and same_onset(a, b)
+
+
+def covers(record: dict[str, Any], event: Event) -> bool:
+    """Whether a training-side report accounts for `event`: its incident; a warning (training went on, so a
+    later anomaly is a new incident) only the same event type at (nearly) the same onset."""
+    reported = Event.from_dict(record["event"])
+    if warned(record):
+        return reported.type == event.type and same_onset(reported, event)
+    return same_incident(reported, event)
+
+
+def warned(record: dict[str, Any]) -> bool:
+    """Whether a training-side report is a `warn` decision: the event was reported and training went on."""
+    decision = record.get("decision")
+    return isinstance(decision, dict) and decision.get("action") == "warn"
 
 
 def same_onset(a: Event, b: Event, tolerance: int = 2) -> bool:
@@ -83,7 +99,7 @@ class EventsLog:
         deadline = self._clock() + wait_s
         while True:
             records, _ = self.since(offset)
-            if any(same_incident(Event.from_dict(rec["event"]), event) for rec in records):
+            if any(covers(rec, event) for rec in records):
                 return True
             if self._clock() >= deadline:
                 return False

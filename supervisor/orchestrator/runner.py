@@ -376,6 +376,7 @@ class LineageRunner:
             save=self._save,
             clock=self.clock,
             collect_stacks=collect_stacks,
+            warn=self.decisions.warn if self.decisions is not None else None,
         )
         if not plan.restore.from_scratch:  # read the target ahead on a thread while the process starts
             warm_checkpoint(self.layout.checkpoints, plan.restore.checkpoint_id)

@@ -88,6 +88,7 @@ class SegmentRun:
         save: Callable[[], None],
         clock: Callable[[], float],
         collect_stacks: CollectStacks | None = None,
+        warn: Callable[[SegmentRecord, Event], bool] | None = None,
     ):
         self.launcher = launcher
         self.settings = settings
@@ -97,6 +98,9 @@ class SegmentRun:
         self.save = save
         self.clock = clock
         self.collect_stacks = collect_stacks
+        #: Asked about each event the monitor sees that the training process did not report: True when the
+        #: policy only warns about it (recorded there), and the segment runs on.
+        self.warn = warn
 
     def run(
         self,
@@ -166,7 +170,7 @@ class SegmentRun:
                 self.lease.check()
                 handle.wait_exit(self.settings.poll_seconds)
                 continue
-            event = self._anomaly(watcher)
+            event = self._anomaly(watcher, seg)
             if event is not None:
                 if event.type == "hang":
                     event = self._with_stacks(seg, handle, event)
@@ -194,12 +198,15 @@ class SegmentRun:
         evidence = {**event.evidence, "stacks": stacks.summary()}
         return dataclasses.replace(event, evidence=evidence)
 
-    def _anomaly(self, watcher: Watcher) -> Event | None:
-        """The first event the monitor saw that the training process did not already handle itself."""
+    def _anomaly(self, watcher: Watcher, seg: SegmentRecord) -> Event | None:
+        """The first event the monitor saw that the training process did not already handle itself, and that
+        the policy does more about than warn."""
         for event in watcher.poll(self.clock()):
             wait = self.settings.report_wait_seconds
             if event.type in METRIC_EVENTS and self.events.reported(event, self.record.events_offset, wait):
                 log.info("monitor saw %s; the training process already handled it", event.reason)
+                continue
+            if self.warn is not None and self.warn(seg, event):
                 continue
             return event
         return None

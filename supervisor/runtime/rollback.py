@@ -3,7 +3,8 @@ checkpoint this process can reach, undone here without a restart.
 
 The target comes from the memory ring when the ring holds it (without waiting for writes in flight: their
 snapshots are restorable already), else from disk. Every later checkpoint is abandoned, committed or not.
-Anything else the policy says (a rollback with no target, resume, stop, fail) is left to the supervisor.
+A `warn` rule is decided first: the event is recorded and reported, and every rank trains on. Anything else
+the policy says (a rollback with no target, resume, stop, fail) is left to the supervisor.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from supervisor.events import Event
 from supervisor.runtime.replay import Replayer, ReplaySettings, Verdict
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.save_failures import SaveFailures
-from supervisor.runtime.seams import CheckpointStore
+from supervisor.runtime.seams import CheckpointStore, Collective
 
 if TYPE_CHECKING:
     from policies import Decision, History
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
+
+#: What rank 0 broadcasts when it only warned about the step's anomalies: every rank trains on.
+WARNED = "warned"
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,38 @@ class InProcessRollback:
             tier="memory" if in_ring else "local",
         )
         return RolledBack(info, decision)
+
+    def warn(self, events: list[Event], step: int, dist: Collective | None = None) -> list[Event] | None:
+        """Decide, record and report the anomalies the policy only warns about; the others, still to decide.
+
+        None: nothing is left to decide, and training goes on (on every rank). Under DDP rank 0 alone holds
+        the step's anomalies (`events` is [] elsewhere): it decides and broadcasts whether every rank trains
+        on, so every rank calls this at the same point (collective); a failure on rank 0 is raised everywhere.
+        """
+        if dist is None:
+            return [e for e in events if not self._warned(e, step)] or None
+        if not dist.is_writer:
+            return None if dist.broadcast_outcome(None) == WARNED else events
+        try:
+            left = [e for e in events if not self._warned(e, step)]
+        except Exception as exc:
+            dist.broadcast_outcome(None, exc)
+            raise
+        dist.broadcast_outcome(None if left else WARNED)
+        return left or None
+
+    def _warned(self, event: Event, step: int) -> bool:
+        """If the policy's rule for `event` says warn: decide, record and report it; True then."""
+        from policies import decide
+
+        match = self.policy.rule_for(event.type)
+        if match is None or match[1].action != "warn":
+            return False
+        decision = decide(self.policy, event, self.history, [], now=self._clock(), in_process=True)
+        log.warning("in-process anomaly at step %d: %s -> %s", step, event.reason, decision.reason)
+        self.history = self.history.record(event, decision, self._clock())
+        self._reporter.anomaly(event, decision, handled=True)
+        return True
 
     def known(self, store: CheckpointStore, step: int) -> list[CheckpointInfo]:
         """The checkpoints a decision may pick: writes in flight included, never waited for (ARCHITECTURE.md)."""
