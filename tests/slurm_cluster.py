@@ -1,5 +1,5 @@
-"""A private one-node SLURM cluster for the tests: installed when missing (root with apt), started in a temporary
-directory on free ports, stopped by PID.
+"""A private one-node SLURM cluster for the tests, installed when missing (root with apt), started in a temporary
+directory on free ports, stopped by PID. A hidden partition `pair` adds a node that never runs (`spare`).
 
 The daemons read their configuration from `SLURM_CONF` (set for the session, so every `sbatch` the tests and
 the supervisor run reaches this cluster and nothing in /etc/slurm is touched). `munged` is shared: one already
@@ -21,6 +21,8 @@ import pytest
 
 SBIN = Path("/usr/sbin")
 MUNGE_KEY = Path("/etc/munge/munge.key")
+#: The hidden partition of `localhost` and `spare`, a node that is always DOWN (see write_conf).
+PAIR, SPARE = "pair", "spare"
 INSTALL_HINT = (
     "apt-get install -y slurm-wlm munge (as root), or run the tests as root where apt-get is available"
 )
@@ -125,8 +127,13 @@ MpiDefault=none
 SwitchType=switch/none
 MailProg=/bin/true
 KillWait=5
+# A node that never runs (no slurmd answers on its port), in a hidden partition only `--partition=pair` uses: a
+# pool of 2 where excluding localhost is admitted, and a job that excludes it stays pending. Declared first: while
+# a lone node is named localhost, slurmctld finds it under any name, and the next one counts as a duplicate.
+NodeName={SPARE} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 RealMemory=1024 State=DOWN Reason=never_runs
 NodeName=localhost NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={mem} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName={PAIR} Nodes=localhost,{SPARE} MaxTime=INFINITE State=UP Hidden=YES OverSubscribe=FORCE:4
 """
         )
 
@@ -159,7 +166,9 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSu
         out.close()
 
     def _node_state(self, env: dict[str, str]) -> str:
-        done = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
+        done = subprocess.run(  # localhost's, in the default partition (the pair's spare is always down)
+            ["sinfo", "-h", "-p", "debug", "-o", "%T"], env=env, capture_output=True, text=True
+        )
         return done.stdout.strip()
 
     def _until(self, ready, timeout: float, what: str) -> None:

@@ -91,6 +91,8 @@ def cand(host: str) -> Exclusion:
         # a full name whose short form is the node's name is recorded short; an unknown name is kept
         (["gpu7.cluster", "laptop"], [], HostPool(1, ("gpu7", "gpu8")), ["gpu7", "laptop: not excluded: laptop is not a host this launcher places segments on (gpu7, gpu8)"]),
         (["a", "a"], [], HostPool(1, None), ["a"]),
+        # a SLURM node's hostname (a replay names the machine it ran on) is recorded as the node's name
+        (["vm", "vm.lan"], [], HostPool(1, ("node1", "spare"), aliases={"vm": "node1"}), ["node1"]),
     ],
 )  # fmt: skip
 def test_admit_never_leaves_fewer_hosts_than_a_segment_needs(hosts, current, pool, expected):

@@ -65,7 +65,7 @@ def test_a_fault_on_the_only_node_keeps_it_and_an_exclusion_reaches_the_job(slur
         {
             "host": "localhost",
             "reason": "not excluded: excluding localhost would leave 0 of the 1 host(s) this launcher can use, "
-            "and a segment needs 1; the cluster has 1 node(s)",
+            "and a segment needs 1; partition debug (the default) has 1 node(s)",
             "event": "hardware_fault",
             "segment": 0,
             "time": 100.0,

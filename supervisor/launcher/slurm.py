@@ -152,14 +152,19 @@ class SlurmLauncher:
         )
 
     def host_pool(self) -> HostPool:
-        """The nodes of the job's partition (`sinfo`), of which a segment needs `nodes`."""
-        args = ["sinfo", "--noheader", "--Node", "--format=%N"]
+        """The nodes of the job's partition (`sinfo`; the default one without `partition`), of which a segment
+        needs `nodes`; a node's hostname, where it differs from its name, is an alias of it."""
+        args = ["sinfo", "--noheader", "--Node", "--format=%N %n %P"]
         if self.options.partition:
             args.append(f"--partition={self.options.partition}")
-        done = slurm(args)
-        nodes = tuple(dict.fromkeys(line.strip() for line in done.stdout.splitlines() if line.strip()))
+        rows = [row for row in (line.split() for line in slurm(args).stdout.splitlines()) if len(row) == 3]
         where = f"partition {self.options.partition}" if self.options.partition else "the cluster"
-        return HostPool(self.options.nodes, nodes, f"{where} has {len(nodes)} node(s)")
+        default = [row for row in rows if row[2].endswith("*")]  # sinfo marks the default partition with *
+        if not self.options.partition and default:
+            rows, where = default, f"partition {default[0][2].rstrip('*')} (the default)"
+        nodes = tuple(dict.fromkeys(name for name, _, _ in rows))
+        aliases = {host: name for name, host, _ in rows if host != name}
+        return HostPool(self.options.nodes, nodes, f"{where} has {len(nodes)} node(s)", aliases)
 
     def hostnames(self, nodelist: str) -> tuple[str, ...]:
         """A job's NodeList (`gpu[01-03]`) as node names (`scontrol show hostnames`); none when unassigned."""

@@ -9,7 +9,7 @@ anti-affinity, a multi-node follower that refuses to run).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from supervisor.events import Event
@@ -32,6 +32,9 @@ class HostPool:
     """Every host the launcher may use; None when it cannot tell (then an exclusion is always taken)."""
     why: str = ""
     """Why the pool is what it is, for a refusal: "the local launcher runs on this machine only"."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """Other names of its hosts, to the name the launcher uses: a SLURM node's hostname (what a training process
+    names itself by) where it differs from the node's name."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,8 @@ def exclusions_from(
 def admit(candidates: Iterable[Exclusion], current: Iterable[str], pool: HostPool) -> list[Exclusion]:
     """The candidates to record: each excluded, or kept with "not excluded: <why>" where the launcher does not
     know the host or excluding it would leave fewer hosts than a segment needs. Hosts already excluded are left
-    out; a full name whose short form the launcher knows (`gpu7.cluster` for `gpu7`) is recorded short."""
+    out; a full name whose short form the launcher knows (`gpu7.cluster` for `gpu7`), or a hostname it knows as
+    a node's (`HostPool.aliases`), is recorded under the launcher's name."""
     excluded = set(current)
     out: list[Exclusion] = []
     for cand in candidates:
@@ -118,8 +122,9 @@ def placeable(host: str, excluded: set[str], pool: HostPool) -> tuple[str, str |
     if pool.hosts is None:
         return host, None
     hosts = set(pool.hosts)
-    if host not in hosts and host.split(".")[0] in hosts:
-        host = host.split(".")[0]
+    if host not in hosts:
+        short = host.split(".")[0]
+        host = pool.aliases.get(host) or pool.aliases.get(short) or (short if short in hosts else host)
     said = f"; {pool.why}" if pool.why else ""
     if host not in hosts:
         known = ", ".join(sorted(hosts)[:8]) + (", ..." if len(hosts) > 8 else "")
