@@ -25,6 +25,7 @@ EXPECTED = {
     "exc": "software_error",
     "sdc": "non_finite",  # a top exponent bit: usually a non-finite loss, a spike where the value stays finite
     "sdc_persistent": "non_finite",
+    "bad_batch": "non_finite",
     "slow": "straggler",  # with a straggler detector
     "stuck": "hang",
 }

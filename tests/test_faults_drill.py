@@ -3,6 +3,7 @@ real optimizers, with the sleeps injected."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,17 @@ def test_sdc_flips_an_element_every_step_uses_not_an_unused_embedding_row(tmp_pa
     opt.step()
     changed = [int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before, strict=True)]
     assert changed == [0, 1, 0]  # one element of the Linear's weight (dense gradient), the largest one there
+
+
+def test_a_bad_batch_follows_the_data_not_the_process(tmp_path: Path):
+    spec = parse_faults("bad_batch@2:rank1")
+    fired = tmp_path / "faults-fired.json"
+    _, own = train(FaultInjector(spec, fired, rank=0), range(1, 5))  # rank 0's own batches: never
+    _, clean = train(None, range(1, 5))
+    assert own == clean
+    moved = FaultInjector(spec, fired, rank=0)
+    moved.data_rank = 1  # rank 0 computes rank 1's batches (the replay's second stage)
+    _, poisoned = train(moved, range(1, 5))
+    assert poisoned[:2] == clean[:2] and all(math.isnan(v) for v in poisoned[2:])
+    _, again = train(FaultInjector(spec, fired, rank=1), range(1, 5))  # on its own rank, on every run
+    assert all(math.isnan(v) for v in again[2:]) and not fired.exists()

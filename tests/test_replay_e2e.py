@@ -52,7 +52,10 @@ def run(
     workdir: Path, faults: str, *, ranks: int = 1, exit_code: int = exitcodes.EXIT_OK
 ) -> subprocess.CompletedProcess:
     proc = segment(workdir, faults, POLICY, STEPS, ranks=ranks)
-    assert proc.returncode == exit_code, proc.stderr[-4000:]
+    if ranks > 1 and exit_code != exitcodes.EXIT_OK:  # torchrun exits 1 when a rank fails; each rank's code
+        assert proc.returncode == 1 and f"exitcode  : {exit_code} " in proc.stderr, proc.stderr[-4000:]
+    else:
+        assert proc.returncode == exit_code, proc.stderr[-4000:]
     return proc
 
 
@@ -140,6 +143,62 @@ def test_under_ddp_the_replay_names_the_rank_whose_result_changed_first(tmp_path
     assert all(math.isfinite(struct.unpack("<d", v)[0]) for v in losses(tmp_path).values())  # rank 0's
 
 
+@pytest.mark.slow
+def test_under_ddp_a_device_wrong_every_time_reproduces_on_its_rank_but_not_on_the_next_ranks(tmp_path: Path):
+    # Rank 1's process flips a weight after every run of step 4: the same device reproduces step 5's value; with
+    # rank 1's batches computed on rank 0's device (and rank 0's on rank 1's) it differs: a faulty device.
+    proc = run(tmp_path, "sdc_persistent@4:rank1", ranks=2, exit_code=exitcodes.EXIT_ANOMALY)
+    assert "rank 1's batches on rank 0's device" in proc.stderr
+    same, elsewhere, left = reports(tmp_path)
+    assert same["kind"] == "replay" and same["replay"]["verdict"] == "reproducible_on_same_device"
+    assert same["event"]["evidence"]["seen_on_rank"] == 1
+    verdict = elsewhere["replay"]
+    assert (verdict["verdict"], verdict["stage"], verdict["ranks"], verdict["other_rank"]) == (
+        "persistent_mismatch",
+        2,
+        [1],
+        0,
+    )
+    assert (verdict["from_step"], verdict["onset_step"], verdict["first_diff_step"]) == (2, 5, 5)
+    # Rank 1's step-5 batch gives a finite loss on rank 0's device, and rank 0's goes wrong on rank 1's device.
+    assert math.isfinite(verdict["replayed"]) and not math.isfinite(verdict["original"])
+    assert verdict["differed"] == [0, 1] and verdict["seconds"] > 0
+    event = elsewhere["event"]
+    assert event["type"] == "hardware_fault" and event["evidence"]["evidence"] == "persistent_mismatch"
+    assert event["evidence"]["hosts"] == [socket.gethostname()] and event["evidence"]["device"] == "cpu"
+    stages = event["evidence"]["stages"]
+    assert [s["verdict"] for s in stages] == ["reproducible_on_same_device", "persistent_mismatch"]
+    assert all(s["seconds"] > 0 for s in stages)
+    # Every rank stops; the supervisor decides on the hardware fault (and relaunches away from the host).
+    assert not left["handled_in_process"] and left["event"]["type"] == "hardware_fault"
+
+
+@pytest.mark.slow
+def test_under_ddp_a_bad_batch_reproduces_on_another_ranks_device_so_the_rule_rolls_back_and_skips(
+    tmp_path: Path,
+):
+    # Rank 1's batch of step 4 poisons the gradients of whichever process computes it: data, not a device.
+    run(tmp_path, "bad_batch@4:rank1", ranks=2, exit_code=exitcodes.EXIT_ANOMALY)
+    same, elsewhere, rollback, exhausted = reports(tmp_path)
+    assert same["replay"]["verdict"] == "reproducible_on_same_device"
+    verdict = elsewhere["replay"]
+    assert (verdict["verdict"], verdict["stage"], verdict["other_rank"]) == (
+        "reproducible_on_other_device",
+        2,
+        0,
+    )
+    # Bit for bit on every rank: rank 1's batches on rank 0's device and rank 0's on rank 1's.
+    assert verdict["differed"] == [] and verdict["first_diff_step"] is None
+    assert not math.isfinite(verdict["original"]) and not math.isfinite(verdict["replayed"])
+    decision = rollback["decision"]
+    assert rollback["handled_in_process"] and decision["action"] == "rollback"
+    assert decision["skip_batches"] == 2 and decision["target_step"] <= 4
+    stages = rollback["event"]["evidence"]["stages"]
+    assert [s["verdict"] for s in stages] == ["reproducible_on_same_device", "reproducible_on_other_device"]
+    # The drill's batch is bad at step 4 whatever the data: it strikes again, and the budget (1) hands over.
+    assert not exhausted["handled_in_process"]
+
+
 SUPERVISED_POLICY = """\
 version: 1
 name: replay-supervised
@@ -203,3 +262,60 @@ def test_under_the_supervisor_a_replayed_fault_is_one_segment_and_every_view_sho
 
     _, drawn = draw_lineage(record, {})
     assert [(a["event"], a["replay"]) for a in drawn["anomalies"]] == [("hardware_fault", "replay_mismatch")]
+
+
+@pytest.mark.slow
+def test_under_the_supervisor_a_device_wrong_every_time_is_decided_there_and_shown_in_every_view(
+    tmp_path: Path, capsys
+):
+    """torchrun with 2 ranks, rank 1's device wrong on every run of step 4: both stages replay in process, every
+    rank stops, and the supervisor decides on the `hardware_fault` (here the local launcher cannot move away
+    from this machine: the host goes to `not_excluded`, and the second segment strikes again)."""
+    from supervisor.cli import main
+    from supervisor.orchestrator import LineageRunner, RunOptions
+    from supervisor.report.plot import draw_lineage
+    from tests.test_faults_hardware_e2e import EXAMPLE, REPO, TORCHRUN
+
+    policy, workdir = tmp_path / "policy.yaml", tmp_path / "wd"
+    policy.write_text(
+        POLICY.replace("limits: {max_rollbacks: 1}", "limits: {max_rollbacks: 1, max_restarts: 1}").replace(
+            "rules:\n",
+            "rules:\n  - when: [hardware_fault]\n    action: resume\n    target: {select: latest}\n",
+        )
+    )
+    options = RunOptions(
+        command=(*TORCHRUN, str(REPO / "examples" / "charlm.py"), *EXAMPLE, "--steps", str(STEPS)),
+        policy_path=str(policy),
+        lineage="persistent",
+        workdir=workdir,
+        stop_grace_seconds=10,
+        env={"ROLLBACK_SUPERVISOR_FAULTS": "sdc_persistent@4:rank1", "OMP_NUM_THREADS": "1"},
+        max_segments=2,
+    )
+    with LineageRunner(options, sleep=lambda s: None) as runner:
+        record = runner.supervise().to_dict()
+    first = record["segments"][0]
+    assert [e["replay"]["verdict"] for e in first["in_process"]] == [
+        "reproducible_on_same_device",
+        "persistent_mismatch",
+    ]
+    assert first["event"]["type"] == "hardware_fault"
+    assert first["event"]["evidence"]["evidence"] == "persistent_mismatch"
+    assert first["decision"]["action"] == "resume"
+    assert [n["host"] for n in record["not_excluded"]] == [socket.gethostname()]
+
+    assert main(["status", "--workdir", str(workdir), "--json"]) == 0
+    (view,) = json.loads(capsys.readouterr().out)["lineages"]
+    rows = [(r["event"], r["action"], r.get("replay")) for r in view["timeline"]][:3]
+    assert rows == [
+        ("non_finite", "replay", "reproducible_on_same_device"),
+        ("hardware_fault", "replay", "persistent_mismatch"),
+        ("hardware_fault", "resume", "persistent_mismatch"),  # the supervisor's decision, on that verdict
+    ], view["timeline"]
+    assert main(["status", "--workdir", str(workdir), "--width", "160"]) == 0
+    text = capsys.readouterr().out
+    assert "persistent_mismatch" in text and "reproducible_on_same_device" in text
+    _, drawn = draw_lineage(record, {})
+    assert ("hardware_fault", "persistent_mismatch") in [
+        (a["event"], a["replay"]) for a in drawn["anomalies"]
+    ]

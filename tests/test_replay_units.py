@@ -9,13 +9,16 @@ import pytest
 
 from supervisor.events import Event
 from supervisor.runtime.replay import (
+    ELSEWHERE,
     INCONCLUSIVE,
     MISMATCH,
+    PERSISTENT,
     REPRODUCIBLE,
     Local,
     Replayer,
     ReplaySettings,
     Trail,
+    Verdict,
     hardware_event,
     same_bits,
     with_verdict,
@@ -159,7 +162,7 @@ def test_settings_from_the_policy_section():
         when: tuple[str, ...] = ("spike",)
         budget_seconds: float = 9.0
 
-    assert ReplaySettings.of(Spec()) == ReplaySettings(True, 7, frozenset({"spike"}), 9.0)
+    assert ReplaySettings.of(Spec()) == ReplaySettings(True, 7, frozenset({"spike"}), 9.0, other_device=True)
     assert ReplaySettings.of(None) == ReplaySettings()
 
 
@@ -168,3 +171,131 @@ def test_a_rank_with_no_value_at_a_step_compares_what_it_has(onset):
     r = Replayer(ON)
     local = _replay(r, {4: 1.0, 5: 2.0, 6: 3.0}, {5: 2.0, 6: 3.0}, onset=onset, start=4)
     assert not local.differs
+
+
+# -- the second stage: the suspect's batches on another rank's device --------------------------------------
+
+
+def _first_stage(rank: int, trail: dict[int, float]) -> tuple[Replayer, Verdict]:
+    r = Replayer(ON, rank=rank)
+    for step, value in trail.items():
+        r.record(step, {"loss": value})
+    event = nan_at(5)
+    r.begin(Event(**{**event.to_dict(), "evidence": {"seen_on_rank": 1}}), 3)
+    first = r.conclude([Local(False, None, math.nan, math.nan)] * 2, ["h0", "h1"])
+    return r, first
+
+
+def test_the_suspect_is_the_rank_that_saw_it_and_its_buddy_the_next_one():
+    r = Replayer(ON, rank=0)
+    seen = lambda rank: Event(**{**nan_at(5).to_dict(), "evidence": {"seen_on_rank": rank}})  # noqa: E731
+    assert r.pair_for(seen(1), 2) == (1, 0) and r.pair_for(seen(2), 4) == (2, 3)
+    assert r.pair_for(seen(3), 4) == (3, 0)
+    assert r.pair_for(seen(0), 1) is None  # alone: no other device
+    off = Replayer(ReplaySettings(enabled=True, other_device=False))
+    assert off.pair_for(seen(1), 2) is None
+
+
+def test_each_rank_is_compared_with_what_the_owner_of_its_batches_logged():
+    # Rank 0 computes rank 1's batches: it expects rank 1's values (a NaN at step 5), and finds them.
+    r, first = _first_stage(0, {3: 1.0, 4: 0.9, 5: 0.8})
+    windows = [r.window("loss", 3, 5), [1.0, 2.0, 1.0, math.nan]]
+    assert windows[0] == [1.0, 0.9, 1.0, 0.8]
+    assert r.begin_elsewhere(first, nan_at(5), (1, 0), windows) == 1
+    assert r.active is not None and r.active.swapped and r.active.expected[5] != r.active.expected[5]
+    r.record(4, {"loss": 123.0})  # a second stage's values are another rank's: never in this rank's trail
+    assert r.trail.values("loss", 3, 5) == {4: 0.9, 5: 0.8}
+    assert r.observe(4, {"loss": 2.0}) is None
+    local = r.observe(5, {"loss": math.nan})
+    assert local is not None and not local.differs and local.first_diff is None
+    assert math.isnan(local.original) and math.isnan(local.replayed)  # rank 1's NaN, reproduced here
+
+
+def _second(rows: list[Local], *, pair: tuple[int, int] = (1, 0), world: int = 2, devices=None) -> Verdict:
+    r, first = _first_stage(0, {3: 1.0, 4: 0.9, 5: 0.8})
+    hosts = [f"h{i}" for i in range(world)]
+    r.begin_elsewhere(first, nan_at(5), pair, [[0.0] * 4] * world, hosts, devices or ["cpu"] * world)
+    return r.conclude_elsewhere(rows)
+
+
+def test_the_suspects_batches_differing_elsewhere_is_a_device_wrong_every_time():
+    verdict = _second([Local(True, 5, math.nan, 0.7), Local(True, 5, 0.8, math.inf)])
+    assert (verdict.verdict, verdict.stage, verdict.ranks, verdict.hosts, verdict.other_rank) == (
+        PERSISTENT,
+        2,
+        [1],
+        ["h1"],
+        0,
+    )
+    assert verdict.hardware and verdict.differed == [0, 1] and verdict.first_diff_step == 5
+    assert math.isnan(verdict.original) and verdict.replayed == 0.7  # the suspect's batch, on rank 0's device
+    event = hardware_event(verdict, nan_at(5), 1.0, [Verdict(REPRODUCIBLE, "loss", 5, 3, 2, 0.5, None, None)])
+    assert event.evidence["evidence"] == PERSISTENT and event.evidence["hosts"] == ["h1"]
+    assert [s["verdict"] for s in event.evidence["stages"]] == [REPRODUCIBLE, PERSISTENT]
+
+
+def test_the_same_values_elsewhere_leave_the_rule_to_decide():
+    verdict = _second([Local(False, None, math.nan, math.nan), Local(False, None, 0.8, 0.8)])
+    assert verdict.verdict == ELSEWHERE and not verdict.hardware and verdict.differed == []
+    event = with_verdict(nan_at(5), verdict, [Verdict(REPRODUCIBLE, "loss", 5, 3, 2, 0.5, None, None)])
+    assert event.type == "non_finite" and [s["verdict"] for s in event.evidence["stages"]] == [
+        REPRODUCIBLE,
+        ELSEWHERE,
+    ]
+
+
+def test_a_difference_outside_the_swapped_pair_or_on_nondeterministic_cuda_proves_nothing():
+    outside = _second([Local(True, 5, 1.0, 1.1), Local(True, 5, 0.8, 0.9), Local(True, 5, 0.7, 0.6)], world=3)
+    assert outside.verdict == INCONCLUSIVE and "outside the swapped pair" in outside.reason
+    r, first = _first_stage(0, {3: 1.0, 4: 0.9, 5: 0.8})
+    r._deterministic = lambda: False
+    r.begin_elsewhere(first, nan_at(5), (1, 0), [[0.0] * 4] * 2, ["h0", "h1"], ["cuda:0", "cuda:1"])
+    cuda = r.conclude_elsewhere([Local(True, 5, math.nan, 0.7), Local(False, None, 0.8, 0.8)])
+    assert cuda.verdict == INCONCLUSIVE and "nondeterministic" in cuda.reason
+
+
+def test_the_supervisor_decides_a_persistent_mismatch_and_keeps_the_replays_as_reports(tmp_path):
+    """What rank 0 writes for a device wrong every time (two replay reports, then the hardware fault left to
+    the supervisor): the fold keeps the reports with the segment and hands the hardware fault on."""
+    from policies import History, parse_policy
+    from supervisor.orchestrator.decision_step import DecisionStep
+    from supervisor.orchestrator.events_log import EventsLog
+    from supervisor.runtime.reporter import EventReporter
+
+    anomaly = Event(**{**nan_at(5).to_dict(), "evidence": {"seen_on_rank": 1}})
+    first = Verdict(REPRODUCIBLE, "loss", 5, 2, 3, 0.4, math.nan, math.nan)
+    second = _second([Local(True, 5, math.nan, 0.7), Local(True, 5, 0.8, math.inf)])
+    hardware = hardware_event(second, anomaly, 2.0, [first])
+    reporter = EventReporter(tmp_path / "events.jsonl", 0)
+    from supervisor.runtime.rollback import InProcessRollback
+
+    InProcessRollback.report_replay(_Reports(reporter), with_verdict(anomaly, first), first, anomaly)
+    InProcessRollback.report_replay(_Reports(reporter), hardware, second, anomaly)
+    reporter.anomaly(hardware, None, handled=False)
+
+    policy = parse_policy(
+        "version: 1\nname: t\nrules: [{when: [hardware_fault], action: resume, allow_scratch: true}]\n"
+    )
+    step = DecisionStep(
+        policy,
+        history=History(),
+        events=EventsLog(tmp_path / "events.jsonl"),
+        catalog=lambda: None,
+        run=None,
+        save=lambda: None,
+        clock=lambda: 3.0,
+    )
+    from supervisor.lineage import SegmentRecord
+
+    seg = SegmentRecord(index=0, started=0.0)
+    records, _ = step.events.since(0)
+    left = step.fold(seg, records)
+    assert left is not None and left.type == "hardware_fault" and left.evidence["evidence"] == PERSISTENT
+    assert [r["replay"]["verdict"] for r in seg.in_process] == [REPRODUCIBLE, PERSISTENT]
+
+
+class _Reports:
+    """Just what `InProcessRollback.report_replay` uses of its instance."""
+
+    def __init__(self, reporter):
+        self._reporter = reporter

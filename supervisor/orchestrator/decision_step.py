@@ -246,7 +246,10 @@ class DecisionStep:
         if not found:
             log.warning("segment %d: %s names no host, and where it ran is unknown; nothing excluded",
                         seg.index, event.type)  # fmt: skip
+        kept = {(e.get("host"), e.get("segment")) for e in record.not_excluded or []}
         for entry in admit(found, record.exclusions(), pool):
+            if not entry.excluded and (entry.host, entry.segment) in kept:
+                continue  # said once per segment (a replay's report and the decision on it name the same host)
             key = "excluded_hosts" if entry.excluded else "not_excluded"
             record.put(**{key: [*(getattr(record, key) or []), entry.to_dict()]})
             if entry.excluded:

@@ -18,6 +18,7 @@ told, so a framework that owns its checkpoint moment keeps it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -40,7 +41,16 @@ from supervisor.runtime.faults import FaultInjector
 from supervisor.runtime.outcome import SegmentOutcome
 from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 from supervisor.runtime.registry import Registered
-from supervisor.runtime.replay import Local, Replayer, ReplaySettings, hardware_event, with_verdict
+from supervisor.runtime.replay import (
+    PERSISTENT,
+    REPRODUCIBLE,
+    Local,
+    Replayer,
+    ReplaySettings,
+    Verdict,
+    hardware_event,
+    with_verdict,
+)
 from supervisor.runtime.reporter import EventReporter
 from supervisor.runtime.resources import SegmentResources
 from supervisor.runtime.restore import PlanRestore
@@ -50,6 +60,7 @@ from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
 from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, Outputs
 from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target
+from supervisor.runtime.swap import describe, swap_batch, swap_rng
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
@@ -264,8 +275,25 @@ class TrainingCore:
     # -- steps -----------------------------------------------------------------------------------
 
     def log(self, metrics: dict[str, float]) -> None:
-        """Log metrics at the current step (asynchronously)."""
-        self.outputs.metrics.log(metrics, self.state.step)
+        """Log metrics at the current step (asynchronously); not in a replay's second stage, whose values are
+        other ranks' batches."""
+        if not self._swapped:
+            self.outputs.metrics.log(metrics, self.state.step)
+
+    @property
+    def _swapped(self) -> bool:
+        active = self.rollback.replay.active
+        return active is not None and active.swapped
+
+    def batch_for_step(self, batch: Any) -> Any:
+        """The batch this rank computes next: its own, but in a replay's second stage the swapped rank's
+        (collective then: every rank calls it once per step)."""
+        active = self.rollback.replay.active
+        if active is None or active.batches_of is None:
+            return batch
+        dist = self.resources.checkpoints.dist
+        assert dist is not None
+        return swap_batch(dist, batch, active.batches_of)
 
     def step_ended(self, step: int, metrics: dict[str, float], *, final: bool = False) -> Action:
         """Step `step` ended with `metrics` (`final`: the driver's last step): what to do next."""
@@ -278,22 +306,25 @@ class TrainingCore:
         events = self.decider.anomalies(step, metrics)
         if replay.active is not None and (local := replay.observe(step, metrics)) is not None:
             return self._replayed(local, step)  # the onset, on every rank at once
-        if events and self.decider.agreement is None:
+        left = self.rollback.warn(events, step) if events and self.decider.agreement is None else None
+        if left:  # (anomalies the policy only warns about were reported: training goes on)
             replay.abandon()  # another anomaly before the onset: decided as usual
-            return self._anomaly(events[0], step)
+            return self._anomaly(left[0], step)
         self._drill.after_step(step)
         store = self.resources.store
         writing = store is not None and store.writing()
         pending = self.outcome.pending
         due = self.decider.save_due(step, now, writing=writing, stopping=pending is not None, final=final)
+        due = due and not self._swapped  # a second stage's state holds swapped RNG streams: never saved
         if self.decider.agreement is not None:
             return self._agree(events, step, due=due, writing=writing)
         if due:
             return SaveDue(step)
         return self.stopping() or CONTINUE
 
-    def _anomaly(self, event: Event, step: int) -> Action:
-        """Roll back in process if the policy says so; else stop for the supervisor to decide."""
+    def _anomaly(self, event: Event, step: int, *, replayed: bool = False) -> Action:
+        """Roll back in process if the policy says so; else stop for the supervisor to decide. `replayed`: the
+        replay ran already and the rule decides now."""
         if not self.in_process_rollback:
             log.warning(
                 "anomaly at step %d: %s; in-process rollback is off for this driver, so the supervisor decides "
@@ -305,7 +336,7 @@ class TrainingCore:
             self.rollback.left_to_supervisor(event)
             return self.outcome.stop_for_anomaly(f"anomaly: {event.reason}")
         store = self.resources.need_writer()
-        snapshot = self._replay_first(store, event, step)
+        snapshot = None if replayed else self._replay_first(store, event, step)
         if snapshot is not None:
             return self._replaying(snapshot)
         rolled = self.rollback.handle(store, event, step)
@@ -322,8 +353,16 @@ class TrainingCore:
             self.outputs.metrics.log(self.decider.rank_metrics[1], step)
         store = self.resources.store
         if agreed.anomaly:
-            self.rollback.replay.abandon()  # another anomaly before the onset: decided as usual
-            events = self._events_on_rank_0(events)
+            left = self.rollback.warn(self._events_on_rank_0(events), step, self.resources.checkpoints.dist)
+            if left is None:  # only warned about: every rank trains on; stops and saves are agreed as usual
+                agreed = dataclasses.replace(agreed, anomaly=False)
+                self.decider.agreement.stopped = agreed.stop is not None
+            else:
+                self.rollback.replay.abandon()  # another anomaly before the onset: decided as usual
+                self._drill.data_rank = (
+                    self.state.rank
+                )  # its own batches again, if a second stage was under way
+                events = left
         if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
             return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)
         dist = self.resources.checkpoints.dist
@@ -350,7 +389,14 @@ class TrainingCore:
         gathered = dist.gather_bytes(mine)
         if gathered is None:
             return []
-        return [Event.from_dict(e) for data in gathered for e in json.loads(data)]
+        seen = [(r, Event.from_dict(e)) for r, data in enumerate(gathered) for e in json.loads(data)]
+        # Which rank saw it: the replay's second stage moves that rank's batches to another device.
+        return [
+            e
+            if "seen_on_rank" in e.evidence
+            else dataclasses.replace(e, evidence={**e.evidence, "seen_on_rank": r})
+            for r, e in seen
+        ]
 
     def _sharded_rollback(
         self, store: ShardedStore, events: list[Event], step: int, *, stop_pending: bool
@@ -394,7 +440,7 @@ class TrainingCore:
         return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
 
     def _replicated_rollback(
-        self, dist: Collective, events: list[Event], step: int, *, stop_pending: bool
+        self, dist: Collective, events: list[Event], step: int, *, stop_pending: bool, replayed: bool = False
     ) -> Action:
         """DDP with one writer: every rank rolls back in process to the checkpoint rank 0 chooses.
 
@@ -407,10 +453,11 @@ class TrainingCore:
         if dist.is_writer:
             store = self.resources.need_writer()
             try:
-                snapshot = self._replay_first(store, events[0], step)
+                snapshot = None if replayed else self._replay_first(store, events[0], step)
                 if snapshot is not None:
                     store.wait()  # the other ranks read the snapshot from disk
                     dist.broadcast_outcome(json.dumps([snapshot.id, 0, 1.0, [events[0].metric, step]]))
+                    self.rollback.replay.snapshot = snapshot  # for a second stage
                     return self._replaying(snapshot)
                 rolled = self.rollback.handle(store, events[0], step)
                 if rolled is not None:
@@ -478,10 +525,12 @@ class TrainingCore:
 
     def _replayed(self, local: Local, step: int) -> Action:
         """The replay reached the onset on every rank: the verdict (every rank's results, under DDP), then
-        either go on from the replayed state (a transient hardware fault) or let the rule decide."""
+        either go on from the replayed state (a transient hardware fault), replay again on another rank's
+        device (the same values, under DDP), or let the rule decide."""
         replay = self.rollback.replay
-        assert replay.active is not None
-        original = replay.active.event
+        active = replay.active
+        assert active is not None
+        original = active.event
         dist = self.resources.checkpoints.dist
         rows, hosts = [local], [replay.host]
         if dist is not None:
@@ -497,20 +546,96 @@ class TrainingCore:
             ]
             known = self.decider.agreement.hosts if self.decider.agreement is not None else None
             hosts = list(known) if known is not None else [f"rank {i}" for i in range(len(rows))]
+        if active.swapped:
+            assert dist is not None
+            return self._replayed_elsewhere(dist, rows, step)
         verdict = replay.conclude(rows, hosts)
         writer = dist is None or dist.is_writer
+        log.warning("replay: %s", verdict.reason)
         if verdict.hardware:
-            log.warning("replay: %s", verdict.reason)
             if writer:
                 self.rollback.report_replay(hardware_event(verdict, original, time.time()), verdict, original)
             return self.stopping() or CONTINUE
-        log.warning("replay: %s", verdict.reason)
         event = with_verdict(original, verdict)
         if writer:
             self.rollback.report_replay(event, verdict, original)
         if dist is None:
-            return self._anomaly(event, step)
-        return self._replicated_rollback(dist, [event], step, stop_pending=False)
+            return self._anomaly(event, step, replayed=True)
+        if verdict.verdict == REPRODUCIBLE:
+            elsewhere = self._replay_elsewhere(dist, verdict, original, step)
+            if elsewhere is not None:
+                return elsewhere
+        return self._replicated_rollback(dist, [event], step, stop_pending=False, replayed=True)
+
+    def _replay_elsewhere(
+        self, dist: Collective, first: Verdict, original: Event, step: int
+    ) -> Action | None:
+        """The second stage: the first stage's snapshot again on every rank, then its steps with the batches
+        and RNG streams of the rank that saw the anomaly and the next rank swapped. Rank 0 decides whether
+        (the policy's `other_device`, the snapshot still held) and names the pair; None: the rule decides."""
+        replay = self.rollback.replay
+        started = replay.now()
+        named: str | None = None
+        info: CheckpointInfo | None = None
+        if dist.is_writer:
+            pair = replay.pair_for(original, dist.world_size)
+            snapshot = replay.snapshot
+            try:
+                if pair is not None and snapshot is not None:
+                    store = self.resources.need_writer()
+                    info = self.rollback.restore_for_replay(store, snapshot, step)
+                    store.wait()  # the other ranks read it from disk
+                    named = json.dumps([info.id, *pair])
+            except Exception as exc:
+                dist.broadcast_outcome(None, exc)
+                raise
+            dist.broadcast_outcome(named)
+        else:
+            named = dist.broadcast_outcome(None)
+        if named is None:
+            return None
+        target, suspect, buddy = json.loads(named)
+        if info is None:
+            info = self.resources.need().restore(target)
+        windows = dist.gather_values(replay.window(first.metric, first.from_step, first.onset_step))
+        hosts, devices = describe(dist, replay.host, self._device())
+        pair = (int(suspect), int(buddy))
+        batches_of = replay.begin_elsewhere(first, original, pair, windows, hosts, devices, started)
+        self._after_restore(0, 1.0, info, "replay on another rank's device")
+        swap_rng(dist, batches_of)
+        self._drill.data_rank = batches_of
+        log.warning(
+            "replay: the same values on the same device; replaying steps %d-%d again with rank %d's batches on "
+            "rank %d's device (this rank computes rank %d's)",
+            first.from_step + 1,
+            first.onset_step,
+            suspect,
+            buddy,
+            batches_of,
+        )
+        return Rollback(info.id, self.state.step, 0, 1.0)
+
+    def _replayed_elsewhere(self, dist: Collective, rows: list[Local], step: int) -> Action:
+        """The second stage reached the onset: a device wrong every time stops every rank for the supervisor
+        (which relaunches away from its host where it can); otherwise the rule decides, from each rank's own
+        state (its rollback restores its own RNG streams)."""
+        replay = self.rollback.replay
+        active = replay.active
+        assert active is not None and active.first is not None
+        first, original = active.first, active.event
+        verdict = replay.conclude_elsewhere(rows)
+        self._drill.data_rank = self.state.rank
+        log.warning("replay: %s", verdict.reason)
+        if verdict.verdict == PERSISTENT:
+            event = hardware_event(verdict, original, time.time(), [first])
+            if dist.is_writer:
+                self.rollback.report_replay(event, verdict, original)
+                self.rollback.left_to_supervisor(event)
+            return self.outcome.stop_for_anomaly(f"hardware fault: {verdict.reason}")
+        event = with_verdict(original, verdict, [first])
+        if dist.is_writer:
+            self.rollback.report_replay(event, verdict, original)
+        return self._replicated_rollback(dist, [event], step, stop_pending=False, replayed=True)
 
     def _device(self) -> str:
         """Where the model computes: the first registered optimizer's first parameter's device."""

@@ -153,6 +153,18 @@ class Distributed:
             return None
         return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
 
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes on every rank, by rank: sizes to all, then one padded all_gather."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = _as_tensor(data)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+
     def gather_state(self, nested: dict[str, Any]) -> dict[str, Any] | None:
         """Every rank's nested state on rank 0 as {"<rank>": nested} (None elsewhere)."""
         packed = self.gather_bytes(pack_state(nested))

@@ -1,8 +1,10 @@
 """Fault drill: `ROLLBACK_SUPERVISOR_FAULTS=nan@300,spike@500,kill@700,...` injects real faults.
 
 Each fault fires once per lineage: it is recorded as fired (durably) *before* it fires, so the relaunched
-segment does not fire it again. The one exception is `sdc_persistent`, a device that is wrong every time:
-it is never recorded, so it fires on every run of its step on its rank, a replay or a relaunch included.
+segment does not fire it again. The exceptions are `sdc_persistent`, a device that is wrong every time, and
+`bad_batch`, a batch that is bad wherever it is computed: never recorded, they fire on every run of their step
+(a replay or a relaunch included), the first on its rank's process, the second on the process that computes
+its rank's batch (the replay's second stage moves batches between ranks).
 `nan`, `spike` and `sdc` damage the model for real through optimizer hooks. Under torchrun a fault fires on
 every rank, or on one rank with a `:rankN` suffix (`kill@40:rank1` kills rank 1 only); each rank keeps its own
 fired set (`faults-fired.json` on rank 0, `faults-fired.rankN.json`). `slow` takes its sleep as a last
@@ -43,13 +45,17 @@ KINDS = {
     "corruption: a replay of the step gives a different value)",
     "sdc_persistent": "flips that same bit on every run of the step on this rank, never recorded as fired "
     "(a persistently faulty device: a replay here reproduces it, another rank's does not)",
+    "bad_batch": "poisons with NaN the gradients of whichever rank computes rank N's batch of the step, on "
+    "every run, never recorded as fired (a bad batch: a replay anywhere reproduces it)",
     "slow": "sleeps after every step from this one until the segment ends, 0.2 s or :SECONDSs (a straggler)",
     "stuck": "blocks this rank before the step's agreement all_reduce, inside which the other ranks wait "
     "(a stuck collective; alone, a hang)",
 }
 #: Kinds fired on every run of their step, never recorded as fired.
-PERSISTENT = frozenset({"sdc_persistent"})
+PERSISTENT = frozenset({"sdc_persistent", "bad_batch"})
 SDC_KINDS = ("sdc", "sdc_persistent")
+#: Kinds that follow the data, not the process: `:rankN` names the rank whose batch it is (see `data_rank`).
+DATA_KINDS = frozenset({"bad_batch"})
 #: Faults fired after the step's metrics were logged.
 PROCESS_KINDS = ("kill", "term", "hang", "hw", "oom", "exc", "stuck")
 #: The sleep per step of a `slow` fault that names none.
@@ -142,9 +148,11 @@ class FaultInjector:
         *,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank or f.kind in DATA_KINDS]
         self.fired_path = fired_path_for(fired_path, rank)
         self.rank = rank
+        #: The rank whose batches this process computes (its own but in a replay's second stage).
+        self.data_rank = rank
         self._sleep = sleep
         self._fired: set[str] | None = None  # read on first use: no I/O when the injector is built
         self._saved_lrs: list[list[float]] | None = None
@@ -170,6 +178,7 @@ class FaultInjector:
                 fault.step == step
                 and fault.kind in kinds
                 and (fault.persistent or fault.key not in self.fired)
+                and (fault.kind not in DATA_KINDS or fault.rank is None or fault.rank == self.data_rank)
             ):
                 return fault
         return None
@@ -191,11 +200,11 @@ class FaultInjector:
 
     def before_optimizer_step(self, step: int, optimizers: list[torch.optim.Optimizer]) -> None:
         self._arm_sdc(step, optimizers)
-        fault = self.due(step, ("nan", "spike"))
+        fault = self.due(step, ("nan", "spike", "bad_batch"))
         if fault is None:
             return
         self._mark(fault)
-        if fault.kind == "nan":
+        if fault.kind in ("nan", "bad_batch"):
             for opt in optimizers:
                 for group in opt.param_groups:
                     for p in group["params"]:

@@ -1,4 +1,5 @@
-"""Replay a bad step to tell data from hardware (the policy's `monitor.replay`), on the same device.
+"""Replay a bad step to tell data from hardware (the policy's `monitor.replay`): on the same device, then on
+another rank's.
 
 An anomaly whose onset is the step that just ended (a non-finite value, a spike) is not decided at once. The
 state goes back to the newest snapshot in the memory ring at least two steps before the onset (at most
@@ -16,7 +17,21 @@ rank logged the first time:
 
 Under DDP every rank replays; each compares its own values, and the first step at which any rank differs
 names the ranks whose results changed (a corrupted rank's own loss parts first: the others see its damage only
-through the next gradient all-reduce). Pure but for the clock: the core carries out the restores and reports.
+through the next gradient all-reduce).
+
+**The second stage** (`other_device`, under DDP): the same values do not clear a device that is wrong every
+time. The same snapshot is restored again on every rank, and the rank that saw the anomaly (the suspect) and
+its buddy (the next rank) swap their batches and RNG streams for the same steps: the suspect's batches are now
+computed on the buddy's device. Each rank compares what it computed with what the batches' owner logged the
+first time:
+
+- the suspect's batches give a **different** value on the buddy's device (`persistent_mismatch`): the
+  suspect's device computes them wrongly every time: a `hardware_fault` naming its rank, host and device.
+- the **same** value (`reproducible_on_other_device`): the data or the optimisation; the rule applies.
+
+With two ranks a swap changes nothing else: the gradient all-reduce adds the same two numbers. With more, the
+reduction may add them in another order; a difference on a rank outside the swapped pair then proves nothing
+(`inconclusive`). Pure but for the clock: the core carries out the restores, the swaps and the reports.
 """
 
 from __future__ import annotations
@@ -39,6 +54,10 @@ MIN_REPLAYED_STEPS = 2
 MISMATCH = "replay_mismatch"
 REPRODUCIBLE = "reproducible_on_same_device"
 INCONCLUSIVE = "inconclusive"
+PERSISTENT = "persistent_mismatch"
+ELSEWHERE = "reproducible_on_other_device"
+#: The verdicts that blame the hardware.
+HARDWARE = frozenset({MISMATCH, PERSISTENT})
 
 
 class CheckpointLike(Protocol):
@@ -55,13 +74,20 @@ class ReplaySettings:
     max_steps: int = 50
     when: frozenset[str] = frozenset({"non_finite", "spike"})
     budget_seconds: float = 300.0
+    other_device: bool = True
 
     @classmethod
     def of(cls, spec: Any) -> ReplaySettings:
         """From the policy's `monitor.replay` section (any object with those attributes; None: off)."""
         if spec is None:
             return cls()
-        return cls(bool(spec.enabled), int(spec.max_steps), frozenset(spec.when), float(spec.budget_seconds))
+        return cls(
+            bool(spec.enabled),
+            int(spec.max_steps),
+            frozenset(spec.when),
+            float(spec.budget_seconds),
+            bool(getattr(spec, "other_device", True)),
+        )
 
 
 def same_bits(a: float | None, b: float | None) -> bool:
@@ -111,6 +137,17 @@ class Replay:
     first_diff: int | None = None
     original: float | None = None
     replayed: float | None = None
+    #: The second stage: the rank whose batches this rank computes (None: the first stage, its own).
+    batches_of: int | None = None
+    #: The second stage: (suspect, buddy), the first stage's verdict, and every rank's host and device.
+    pair: tuple[int, int] | None = None
+    first: Verdict | None = None
+    hosts: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+
+    @property
+    def swapped(self) -> bool:
+        return self.pair is not None
 
 
 @dataclass(frozen=True)
@@ -140,10 +177,16 @@ class Verdict:
     hosts: list[str] = field(default_factory=list)
     device: str | None = None
     reason: str = ""
+    #: 1: on the same device; 2: the suspect's batches on another rank's device.
+    stage: int = 1
+    #: The second stage: the rank whose device computed the suspect's batches, and the ranks whose computed
+    #: values differed from what their batches' owners logged.
+    other_rank: int | None = None
+    differed: list[int] = field(default_factory=list)
 
     @property
     def hardware(self) -> bool:
-        return self.verdict == MISMATCH
+        return self.verdict in HARDWARE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,11 +209,14 @@ class Replayer:
         self._deterministic, self._clock = deterministic, clock
         self.trail = Trail(settings.max_steps if settings.enabled else 1)
         self.active: Replay | None = None
+        #: Rank 0: the first stage's snapshot (a second stage restores it again).
+        self.snapshot: CheckpointLike | None = None
         self._done: set[tuple[str | None, int | None]] = set()
 
     def record(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Every step's metrics, on every rank (cheap: a few floats, `max_steps` steps kept)."""
-        if self.settings.enabled:
+        """Every step's metrics, on every rank (cheap: a few floats, `max_steps` steps kept); not the second
+        stage's, which are another rank's batches."""
+        if self.settings.enabled and not (self.active is not None and self.active.swapped):
             self.trail.record(step, metrics, self._clock())
 
     def wants(self, event: Event, step: int) -> str | None:
@@ -223,6 +269,58 @@ class Replayer:
         """`begin` on a rank that did not see the event (under DDP rank 0 names metric and onset)."""
         self.begin(Event(**{**asdict(event), "metric": metric, "onset_step": onset}), from_step, started)
 
+    # -- the second stage: the suspect's batches on another rank's device --------------------------
+
+    def pair_for(self, event: Event, world_size: int) -> tuple[int, int] | None:
+        """(suspect, buddy) for the second stage: the rank that saw `event` and the next one; None when the
+        policy asks for none, or there is no other rank."""
+        if not self.settings.other_device or world_size < 2:
+            return None
+        suspect = int(event.evidence.get("seen_on_rank", 0)) % world_size
+        return suspect, (suspect + 1) % world_size
+
+    def window(self, metric: str, from_step: int, onset: int) -> list[float]:
+        """This rank's logged values of steps (from_step, onset], as (present, value) pairs: what another
+        rank computing this rank's batches is compared with (a gather of floats carries them)."""
+        held = self.trail.values(metric, from_step, onset)
+        return [
+            x for s in range(from_step + 1, onset + 1) for x in ((1.0, held[s]) if s in held else (0.0, 0.0))
+        ]
+
+    def begin_elsewhere(
+        self,
+        first: Verdict,
+        event: Event,
+        pair: tuple[int, int],
+        windows: Sequence[Sequence[float]],
+        hosts: Sequence[str] = (),
+        devices: Sequence[str] = (),
+        started: float | None = None,
+    ) -> int:
+        """The state is back at the first stage's snapshot: replay its steps with the pair's batches swapped.
+        `windows`: every rank's `window`; `hosts`, `devices`: every rank's, by rank. Returns the rank whose
+        batches this rank computes."""
+        suspect, buddy = pair
+        batches_of = {suspect: buddy, buddy: suspect}.get(self.rank, self.rank)
+        steps = range(first.from_step + 1, first.onset_step + 1)
+        row = windows[batches_of]
+        expected = {s: row[2 * i + 1] for i, s in enumerate(steps) if row[2 * i] == 1.0}
+        began = self._clock() if started is None else started
+        self.active = Replay(
+            event,
+            first.metric,
+            first.onset_step,
+            first.from_step,
+            expected,
+            began,
+            batches_of=batches_of,
+            pair=pair,
+            first=first,
+            hosts=list(hosts),
+            devices=list(devices),
+        )
+        return batches_of
+
     def observe(self, step: int, metrics: Mapping[str, float]) -> Local | None:
         """A replayed step ended: compare; at the onset, this rank's result (None before)."""
         r = self.active
@@ -240,6 +338,67 @@ class Replayer:
     def abandon(self) -> None:
         """Another anomaly (or a stop) came first: no verdict."""
         self.active = None
+
+    def conclude_elsewhere(self, rows: Sequence[Local]) -> Verdict:
+        """The second stage's verdict from every rank's result (rank i compared the values it computed for
+        the batches of the rank it swapped with, or its own), the same on every rank."""
+        r = self.active
+        assert r is not None and r.pair is not None and r.first is not None
+        self.active = None
+        suspect, buddy = r.pair
+        hosts, devices = r.hosts, r.devices
+        differed = [i for i, row in enumerate(rows) if row.differs]
+        moved = rows[buddy]  # the suspect's batches, computed on the buddy's device
+        common = {
+            "metric": r.metric,
+            "onset_step": r.onset,
+            "from_step": r.from_step,
+            "steps": r.onset - r.from_step,
+            "seconds": self._clock() - r.started,
+            "original": moved.original,
+            "replayed": moved.replayed,
+            "first_diff_step": moved.first_diff,
+            "ranks": [suspect],
+            "hosts": [hosts[suspect]] if suspect < len(hosts) else [],
+            "device": devices[suspect] if suspect < len(devices) else None,
+            "stage": 2,
+            "other_rank": buddy,
+            "differed": differed,
+        }
+        on = lambda i: f"rank {i}" + (f" on {hosts[i]}" if i < len(hosts) else "")  # noqa: E731
+        span = (
+            f"steps {r.from_step + 1}-{r.onset} replayed again with the batches of {on(suspect)} computed on "
+            f"{on(buddy)}'s device ({devices[buddy] if buddy < len(devices) else '?'})"
+        )
+        outside = [i for i in differed if i not in r.pair]
+        cuda = any(d.startswith("cuda") for d in devices)
+        if moved.differs and (outside or (cuda and not self._deterministic())):
+            why = (
+                f"ranks {outside} outside the swapped pair differed too: the gradient reduction added the "
+                "same numbers in another order"
+                if outside
+                else "CUDA kernels may be nondeterministic (torch.use_deterministic_algorithms is off)"
+            )
+            return Verdict(
+                INCONCLUSIVE,
+                reason=f"{span}: {r.metric} differed, but {why}; so the policy's rule applies",
+                **common,
+            )
+        if moved.differs:
+            return Verdict(
+                PERSISTENT,
+                reason=f"{span}: {r.metric} differed first at step {moved.first_diff} ({moved.original!r} logged, "
+                f"{moved.replayed!r} elsewhere): {on(suspect)}'s device ({common['device']}) computes them "
+                "wrongly every time, a faulty device; every rank stops for the supervisor to relaunch away "
+                "from it",
+                **common,
+            )
+        return Verdict(
+            ELSEWHERE,
+            reason=f"{span}: {r.metric} came out the same, bit for bit: the data or the optimisation, not the "
+            "device, so the policy's rule applies",
+            **common,
+        )
 
     def conclude(self, rows: Sequence[Local], hosts: Sequence[str] | None = None) -> Verdict:
         """Every rank's result (alone: this rank's) -> the verdict, the same on every rank."""
@@ -289,8 +448,11 @@ class Replayer:
         )
 
 
-def hardware_event(verdict: Verdict, original: Event, wall_time: float) -> Event:
-    """The `hardware_fault` a mismatch is: evidence `replay_mismatch`, naming the ranks, hosts and device."""
+def hardware_event(
+    verdict: Verdict, original: Event, wall_time: float, earlier: Sequence[Verdict] = ()
+) -> Event:
+    """The `hardware_fault` a mismatch is: evidence `replay_mismatch` (or `persistent_mismatch`), naming the
+    ranks, hosts and device; `stages` holds every stage's verdict and cost, `earlier` ones first."""
     return Event(
         type="hardware_fault",
         reason=verdict.reason,
@@ -301,16 +463,21 @@ def hardware_event(verdict: Verdict, original: Event, wall_time: float) -> Event
         wall_time=wall_time,
         source="in_process",
         evidence={
-            "evidence": MISMATCH,
+            "evidence": verdict.verdict,
             "ranks": verdict.ranks,
             "hosts": verdict.hosts,
             "device": verdict.device,
             "anomaly": original.type,
             "replay": verdict.to_dict(),
+            "stages": [v.to_dict() for v in (*earlier, verdict)],
         },
     )
 
 
-def with_verdict(event: Event, verdict: Verdict) -> Event:
-    """The original anomaly with the replay's verdict in its evidence (the rule then applies to it)."""
-    return Event(**{**asdict(event), "evidence": {**event.evidence, "replay": verdict.to_dict()}})
+def with_verdict(event: Event, verdict: Verdict, earlier: Sequence[Verdict] = ()) -> Event:
+    """The original anomaly with the replay's verdict (and every stage's) in its evidence (the rule then
+    applies to it)."""
+    stages = [v.to_dict() for v in (*earlier, verdict)]
+    return Event(
+        **{**asdict(event), "evidence": {**event.evidence, "replay": verdict.to_dict(), "stages": stages}}
+    )

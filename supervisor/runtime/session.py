@@ -162,6 +162,7 @@ class Session:
                 iterator = None
                 self.state.epoch += 1
                 continue
+            batch = self._core.batch_for_step(batch)  # another rank's, in a replay's second stage
             self.state.step += 1
             self._step_metrics = {}
             yield self.step, batch
