@@ -199,6 +199,49 @@ def test_under_ddp_a_bad_batch_reproduces_on_another_ranks_device_so_the_rule_ro
     assert not exhausted["handled_in_process"]
 
 
+def fsdp_run(workdir: Path, faults: str) -> subprocess.CompletedProcess:
+    """examples/fsdp_charlm.py (FSDP2, sharded checkpoints) on 2 gloo ranks under the replay policy."""
+    from tests.segmentkit import segment_env
+    from tests.test_faults_hardware_e2e import EXAMPLE, REPO, RUN_ID, TORCHRUN
+
+    env = segment_env(workdir, RUN_ID, f"sqlite:///{workdir / 'unused.db'}", faults)
+    (workdir / "policy.yaml").write_text(POLICY)
+    env["OMP_NUM_THREADS"] = "1"
+    command = [*TORCHRUN, "examples/fsdp_charlm.py", *EXAMPLE, "--steps", str(STEPS)]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_under_fsdp_every_rank_replays_its_shards_and_a_flip_all_gathered_everywhere_names_no_host(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    clean, flipped, persistent = (tmp_path_factory.mktemp(n) for n in ("clean", "flipped", "persistent"))
+    assert fsdp_run(clean, "").returncode == 0
+    proc = fsdp_run(flipped, "sdc@4:rank1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (report,) = reports(flipped)
+    verdict = report["replay"]
+    assert (verdict["verdict"], verdict["from_step"], verdict["onset_step"]) == ("replay_mismatch", 2, 5)
+    # Rank 1's shard is every rank's weight once all-gathered: both ranks' step 5 parts, so no host is blamed.
+    assert (
+        verdict["ranks"] == [0, 1] and verdict["hosts"] == [] and report["event"]["evidence"]["hosts"] == []
+    )
+    # Every rank restored its own shards of the snapshot: the run goes on as if the bit had never flipped.
+    assert losses(flipped) == losses(clean)
+
+    # A flip on every run of step 4 reproduces under FSDP; no second stage (a swap of batches cannot move a
+    # shard), so the rule rolls every rank back in process and skips.
+    proc = fsdp_run(persistent, "sdc_persistent@4:rank1")
+    assert proc.returncode == 1 and f"exitcode  : {exitcodes.EXIT_ANOMALY} " in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    same, rollback, exhausted = reports(persistent)
+    assert same["replay"]["verdict"] == "reproducible_on_same_device" and same["replay"]["stage"] == 1
+    assert rollback["handled_in_process"] and rollback["decision"]["skip_batches"] == 2
+    assert [s["verdict"] for s in rollback["event"]["evidence"]["stages"]] == ["reproducible_on_same_device"]
+    assert not exhausted["handled_in_process"]
+
+
 SUPERVISED_POLICY = """\
 version: 1
 name: replay-supervised

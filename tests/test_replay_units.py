@@ -299,3 +299,13 @@ class _Reports:
 
     def __init__(self, reporter):
         self._reporter = reporter
+
+
+def test_every_rank_parting_at_the_same_step_names_no_host():
+    # A wrong gradient all-reduced (or a corrupted FSDP shard all-gathered) reaches every rank before any value.
+    r = Replayer(ON, rank=0)
+    r.begin(nan_at(6), 4)
+    verdict = r.conclude([Local(True, 5, 2.0, 1.0), Local(True, 5, 2.1, 1.1)], ["h0", "h1"])
+    assert (verdict.verdict, verdict.ranks, verdict.hosts) == (MISMATCH, [0, 1], [])
+    assert "no rank or host is named" in verdict.reason
+    assert hardware_event(verdict, nan_at(6), 1.0).evidence["hosts"] == []

@@ -399,11 +399,19 @@ class TrainingCore:
         ]
 
     def _sharded_rollback(
-        self, store: ShardedStore, events: list[Event], step: int, *, stop_pending: bool
+        self,
+        store: ShardedStore,
+        events: list[Event],
+        step: int,
+        *,
+        stop_pending: bool,
+        replayed: bool = False,
     ) -> Action:
         """Every rank rolls back in process: rank 0 decides (the policy, as alone) and names the target just
         before its restore; every rank restores its own shards of it, then applies rank 0's skip and LR scale.
-        With no target here, every rank stops for the supervisor, as under DDP."""
+        With no target here, every rank stops for the supervisor, as under DDP. A replay first (monitor.replay,
+        unless `replayed`) goes the same way: rank 0 names the snapshot, every rank restores its shards of it,
+        then rank 0 names the metric and onset every rank replays up to."""
         dist = store.dist
         assert dist is not None  # only under torchrun: alone, `_anomaly` rolls back as always
         if store.commits:
@@ -415,8 +423,10 @@ class TrainingCore:
                     announced.append(target)
 
             store.announce = announce
+            snapshot = None
             try:
-                rolled = self.rollback.handle(store, events[0], step)
+                snapshot = None if replayed else self._replay_first(store, events[0], step)
+                rolled = None if snapshot is not None else self.rollback.handle(store, events[0], step)
             except Exception as exc:
                 if not announced:  # the other ranks wait for a target: they fail with this error
                     dist.broadcast_outcome(None, exc)
@@ -425,6 +435,10 @@ class TrainingCore:
                 store.announce = None
             if not announced:
                 dist.broadcast_outcome(None)
+            if snapshot is not None:
+                dist.broadcast_outcome(json.dumps([0, 1.0, [events[0].metric, step]]))
+                self.rollback.replay.snapshot = snapshot
+                return self._replaying(snapshot)
             if rolled is None:
                 return self.outcome.stop_for_anomaly(f"anomaly: {events[0].reason}")
             info, decision = rolled.info, rolled.decision
@@ -434,8 +448,14 @@ class TrainingCore:
             target = dist.broadcast_outcome(None)
             if target is None:
                 return self.outcome.stop_for_anomaly("anomaly reported by rank 0")
+            started = self.rollback.replay.now()
             info = store.restore(target)
-            skip, lr_scale = json.loads(dist.broadcast_outcome(None) or "[0, 1.0]")
+            skip, lr_scale, *replay = json.loads(dist.broadcast_outcome(None) or "[0, 1.0]")
+            if (
+                replay
+            ):  # rank 0 replays the steps up to the onset: so does this rank, comparing its own values
+                self._replay_named(replay[0], events, info, started)
+                return self._replaying(info)
             self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
         return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
 
@@ -480,11 +500,7 @@ class TrainingCore:
         started = self.rollback.replay.now()
         info = self.resources.need().restore(target)
         if replay:  # rank 0 replays the steps up to the onset: so does this rank, comparing its own values
-            (metric, onset), event = replay[0], events[0] if events else None
-            self.rollback.replay.begin_named(
-                metric, int(onset), info.step, event or _replayed_event(metric), started
-            )
-            self.rollback.replay.device = self._device()
+            self._replay_named(replay[0], events, info, started)
             return self._replaying(info)
         self.rollback.count += 1  # rank 0 decided and keeps the history; every rank counts its rollbacks
         return self._rolled_back(info, int(skip), float(lr_scale), stop_pending=stop_pending)
@@ -517,6 +533,15 @@ class TrainingCore:
             info.step,
         )
         return info
+
+    def _replay_named(
+        self, named: list[Any], events: list[Event], info: CheckpointInfo, started: float
+    ) -> None:
+        """A rank other than 0 replays what rank 0 named ([metric, onset]) from the snapshot it restored."""
+        metric, onset = named
+        event = events[0] if events else _replayed_event(metric)
+        self.rollback.replay.begin_named(metric, int(onset), info.step, event, started)
+        self.rollback.replay.device = self._device()
 
     def _replaying(self, info: CheckpointInfo) -> Rollback:
         """The state is the replay's snapshot: the loop goes on from there, nothing skipped, the LR as it was."""
@@ -561,6 +586,11 @@ class TrainingCore:
             self.rollback.report_replay(event, verdict, original)
         if dist is None:
             return self._anomaly(event, step, replayed=True)
+        store = self.resources.store
+        if isinstance(store, ShardedStore):
+            # No second stage: a rank's shards are every rank's input (all-gathered), so swapping batches
+            # cannot move a device's damage away from the others.
+            return self._sharded_rollback(store, [event], step, stop_pending=False, replayed=True)
         if verdict.verdict == REPRODUCIBLE:
             elsewhere = self._replay_elsewhere(dist, verdict, original, step)
             if elsewhere is not None:

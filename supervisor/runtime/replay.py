@@ -15,9 +15,10 @@ rank logged the first time:
 - a difference where kernels may be nondeterministic (CUDA without `torch.use_deterministic_algorithms`)
   proves nothing: `inconclusive`, and the rule applies.
 
-Under DDP every rank replays; each compares its own values, and the first step at which any rank differs
-names the ranks whose results changed (a corrupted rank's own loss parts first: the others see its damage only
-through the next gradient all-reduce).
+Under DDP and FSDP every rank replays; each compares its own values, and the first step at which any rank
+differs names the ranks whose results changed (a corrupted rank's own loss parts first: the others see its
+damage only through the next gradient all-reduce). When every rank parts at the same step (a wrong gradient
+all-reduced, a corrupted FSDP shard all-gathered) no rank can be named: the verdict names no host.
 
 **The second stage** (`other_device`, under DDP): the same values do not clear a device that is wrong every
 time. The same snapshot is restored again on every rank, and the rank that saw the anomaly (the suspect) and
@@ -409,6 +410,9 @@ class Replayer:
         first = min((row.first_diff for _, row in differing if row.first_diff is not None), default=None)
         ranks = [i for i, row in differing if row.first_diff == first]
         shown = rows[ranks[0]] if ranks else rows[0]  # the first rank that parted, else rank 0
+        # Every rank parting at once: the damage reached them all through a collective (a gradient all-reduce,
+        # FSDP's all-gather of a shard) before any value showed it; no rank, so no host, can be blamed.
+        everyone = len(rows) > 1 and len(ranks) == len(rows)
         common = {
             "metric": r.metric,
             "onset_step": r.onset,
@@ -419,7 +423,7 @@ class Replayer:
             "replayed": shown.replayed,
             "first_diff_step": first,
             "ranks": ranks,
-            "hosts": [hosts[i] for i in ranks if hosts is not None and i < len(hosts)],
+            "hosts": [] if everyone else [hosts[i] for i in ranks if hosts is not None and i < len(hosts)],
             "device": self.device,
         }
         span = f"steps {r.from_step + 1}-{r.onset} replayed from the snapshot at step {r.from_step}"
@@ -433,6 +437,11 @@ class Replayer:
         where = ", ".join(
             f"rank {i}" + (f" on {hosts[i]}" if hosts is not None and i < len(hosts) else "") for i in ranks
         )
+        if everyone:
+            where = (
+                "every rank at once: the damage reached them all through a collective before any value showed "
+                "it, so no rank or host is named"
+            )
         if self.device.startswith("cuda") and not self._deterministic():
             return Verdict(
                 INCONCLUSIVE,
