@@ -245,4 +245,5 @@ def test_a_bad_batch_follows_the_data_not_the_process(tmp_path: Path):
     _, poisoned = train(moved, range(1, 5))
     assert poisoned[:2] == clean[:2] and all(math.isnan(v) for v in poisoned[2:])
     _, again = train(FaultInjector(spec, fired, rank=1), range(1, 5))  # on its own rank, on every run
-    assert all(math.isnan(v) for v in again[2:]) and not fired.exists()
+    assert all(math.isnan(v) for v in again[2:])
+    assert not fired.exists() and not fired.with_name("faults-fired.rank1.json").exists()  # never recorded

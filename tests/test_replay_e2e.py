@@ -199,6 +199,34 @@ def test_under_ddp_a_bad_batch_reproduces_on_another_ranks_device_so_the_rule_ro
     assert not exhausted["handled_in_process"]
 
 
+@pytest.mark.slow
+def test_the_second_stage_hands_each_batch_over_with_the_streams_that_drew_it(tmp_path: Path):
+    """Every draw of the data (noise added per sample) and of the model (dropout) comes from per-rank RNG
+    streams: the second stage is the same bit for bit on every rank only if each rank draws its batch from its
+    own streams and computes the other's with the other's."""
+    from tests.segmentkit import segment_env
+    from tests.test_faults_hardware_e2e import REPO, RUN_ID, TORCHRUN
+
+    env = segment_env(tmp_path, RUN_ID, f"sqlite:///{tmp_path / 'unused.db'}", "bad_batch@4:rank1")
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [*TORCHRUN, "tests/scripts/train_noisy_ddp.py", str(STEPS)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1 and f"exitcode  : {exitcodes.EXIT_ANOMALY} " in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    same, elsewhere, *_ = reports(tmp_path)
+    assert same["replay"]["verdict"] == "reproducible_on_same_device"
+    verdict = elsewhere["replay"]
+    assert (verdict["verdict"], verdict["differed"]) == ("reproducible_on_other_device", [])
+
+
 def fsdp_run(workdir: Path, faults: str) -> subprocess.CompletedProcess:
     """examples/fsdp_charlm.py (FSDP2, sharded checkpoints) on 2 gloo ranks under the replay policy."""
     from tests.segmentkit import segment_env

@@ -186,14 +186,26 @@ def _first_stage(rank: int, trail: dict[int, float]) -> tuple[Replayer, Verdict]
     return r, first
 
 
-def test_the_suspect_is_the_rank_that_saw_it_and_its_buddy_the_next_one():
-    r = Replayer(ON, rank=0)
-    seen = lambda rank: Event(**{**nan_at(5).to_dict(), "evidence": {"seen_on_rank": rank}})  # noqa: E731
-    assert r.pair_for(seen(1), 2) == (1, 0) and r.pair_for(seen(2), 4) == (2, 3)
-    assert r.pair_for(seen(3), 4) == (3, 0)
-    assert r.pair_for(seen(0), 1) is None  # alone: no other device
-    off = Replayer(ReplaySettings(enabled=True, other_device=False))
-    assert off.pair_for(seen(1), 2) is None
+def test_the_suspect_is_the_one_rank_that_saw_it_and_its_buddy_the_next_one():
+    r = Replayer(ON, rank=0, swaps_batches=True)
+    first = Verdict(REPRODUCIBLE, "loss", 5, 3, 2, 1.0, math.nan, math.nan)
+
+    def seen(rank: int, by: list[int] | None = None) -> Event:
+        evidence = {"seen_on_rank": rank, "seen_by": by or [rank]}
+        return Event(**{**nan_at(5).to_dict(), "evidence": evidence})
+
+    assert r.pair_for(seen(1), 2, first) == ((1, 0), "") and r.pair_for(seen(2), 4, first)[0] == (2, 3)
+    assert r.pair_for(seen(3), 4, first)[0] == (3, 0)
+    assert r.pair_for(seen(0), 1, first) == (None, "there is no other rank's device")
+    # Several ranks saw it at the onset: it came through a collective, no one rank's batches are to blame.
+    none, why = r.pair_for(seen(0, [0, 2]), 4, first)
+    assert none is None and "ranks [0, 2] all saw it" in why
+    slow = Verdict(REPRODUCIBLE, "loss", 5, 3, 2, ON.budget_seconds + 1, math.nan, math.nan)
+    assert "over monitor.replay.budget_seconds" in r.pair_for(seen(1), 2, slow)[1]
+    off = Replayer(ReplaySettings(enabled=True, other_device=False), swaps_batches=True)
+    assert off.pair_for(seen(1), 2, first) == (None, "monitor.replay.other_device is off")
+    framework = Replayer(ON)  # a driver that cannot hand a rank another rank's batch
+    assert "cannot hand a rank another rank's batches" in framework.pair_for(seen(1), 2, first)[1]
 
 
 def test_each_rank_is_compared_with_what_the_owner_of_its_batches_logged():
@@ -232,6 +244,12 @@ def test_the_suspects_batches_differing_elsewhere_is_a_device_wrong_every_time()
     event = hardware_event(verdict, nan_at(5), 1.0, [Verdict(REPRODUCIBLE, "loss", 5, 3, 2, 0.5, None, None)])
     assert event.evidence["evidence"] == PERSISTENT and event.evidence["hosts"] == ["h1"]
     assert [s["verdict"] for s in event.evidence["stages"]] == [REPRODUCIBLE, PERSISTENT]
+
+
+def test_the_suspects_device_parting_only_on_the_buddys_batches_blames_neither():
+    verdict = _second([Local(False, None, math.nan, math.nan), Local(True, 5, 0.8, 0.9)])
+    assert verdict.verdict == INCONCLUSIVE and not verdict.hardware and verdict.differed == [1]
+    assert "neither the data nor the device alone" in verdict.reason
 
 
 def test_the_same_values_elsewhere_leave_the_rule_to_decide():

@@ -8,6 +8,8 @@
   `SaveDue` -> `save(step, metrics)`; `Rollback` -> the state was rolled back in process, restart the data
   iterator; `Stop` -> leave the loop; `Continue` -> go on;
 - before each step, `stopping()`: a stop may arrive between steps (a signal);
+- a driver built with `swaps_batches=True` passes every batch through `batch_for_step(batch)` before the step
+  (collective in a replay's second stage); the others get no second stage;
 - at the end: if `stopping()` names a stop, `save()` + `wait()` when it asks for a checkpoint, then
   `stopped()`; otherwise the final `save(force=True)` + `wait()`, or `fail()` if that did not land;
 - `close()` always.
@@ -60,7 +62,7 @@ from supervisor.runtime.save_policy import SavePolicy
 from supervisor.runtime.saver import Saver
 from supervisor.runtime.seams import CheckpointReader, CheckpointStore, Collective, Outputs
 from supervisor.runtime.segment_store import ShardedModel, ShardedStore, sharded_target
-from supervisor.runtime.swap import describe, swap_batch, swap_rng
+from supervisor.runtime.swap import describe, give_back, take_over
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
@@ -111,6 +113,7 @@ class TrainingCore:
         clock: Callable[[], float] = time.monotonic,
         save_policy: SavePolicy | None = None,
         in_process_rollback: bool = True,
+        swaps_batches: bool = False,
     ):
         from policies import History
 
@@ -152,6 +155,7 @@ class TrainingCore:
             rank=state.rank,
             host=socket.gethostname(),
             deterministic=torch.are_deterministic_algorithms_enabled,
+            swaps_batches=swaps_batches,
         )
         self.rollback = InProcessRollback(policy, history, self.failures, reporter, replay=replay)
         self.resources.checkpoints.dist = dist  # a sharded store restores and rolls back with every rank
@@ -293,7 +297,7 @@ class TrainingCore:
             return batch
         dist = self.resources.checkpoints.dist
         assert dist is not None
-        return swap_batch(dist, batch, active.batches_of)
+        return take_over(dist, batch, active.batches_of)
 
     def step_ended(self, step: int, metrics: dict[str, float], *, final: bool = False) -> Action:
         """Step `step` ended with `metrics` (`final`: the driver's last step): what to do next."""
@@ -302,8 +306,13 @@ class TrainingCore:
             self.outputs.heartbeat.beat(step, "train")
             self.resources.stops.poll()
         replay = self.rollback.replay
+        swapped = self._swapped
+        if swapped:  # every stream back to its own rank, before the next batch is drawn
+            assert replay.active is not None and self.resources.checkpoints.dist is not None
+            give_back(self.resources.checkpoints.dist, replay.active.batches_of)
         replay.record(step, metrics)
-        events = self.decider.anomalies(step, metrics)
+        # A second stage's values are other ranks' batches: no detector sees them (the onset is compared).
+        events = [] if swapped else self.decider.anomalies(step, metrics)
         if replay.active is not None and (local := replay.observe(step, metrics)) is not None:
             return self._replayed(local, step)  # the onset, on every rank at once
         left = self.rollback.warn(events, step) if events and self.decider.agreement is None else None
@@ -349,7 +358,7 @@ class TrainingCore:
     def _agree(self, events: list[Event], step: int, *, due: bool, writing: bool) -> Action:
         """One all_reduce per step: an anomaly or a stop anywhere stops every rank; a save is taken together."""
         agreed = self.decider.agree(events, self.outcome.pending, due=due, writing=writing, step=step)
-        if self.decider.rank_metrics is not None:  # every rank's step time, for the straggler detector
+        if self.decider.rank_metrics is not None and not self._swapped:  # every rank's step time (stragglers)
             self.outputs.metrics.log(self.decider.rank_metrics[1], step)
         store = self.resources.store
         if agreed.anomaly:
@@ -359,9 +368,8 @@ class TrainingCore:
                 self.decider.agreement.stopped = agreed.stop is not None
             else:
                 self.rollback.replay.abandon()  # another anomaly before the onset: decided as usual
-                self._drill.data_rank = (
-                    self.state.rank
-                )  # its own batches again, if a second stage was under way
+                self._drill.data_rank = self.state.rank  # its own batches again, after a second stage
+                self._release_snapshot()
                 events = left
         if agreed.anomaly and self.in_process_rollback and isinstance(store, ShardedStore):
             return self._sharded_rollback(store, events, step, stop_pending=agreed.stop is not None)
@@ -390,11 +398,12 @@ class TrainingCore:
         if gathered is None:
             return []
         seen = [(r, Event.from_dict(e)) for r, data in enumerate(gathered) for e in json.loads(data)]
-        # Which rank saw it: the replay's second stage moves that rank's batches to another device.
+        # Which rank saw it, and which saw any: the replay's second stage moves one rank's batches elsewhere.
+        by = sorted({r for r, _ in seen})
         return [
             e
             if "seen_on_rank" in e.evidence
-            else dataclasses.replace(e, evidence={**e.evidence, "seen_on_rank": r})
+            else dataclasses.replace(e, evidence={**e.evidence, "seen_on_rank": r, "seen_by": by})
             for r, e in seen
         ]
 
@@ -437,7 +446,6 @@ class TrainingCore:
                 dist.broadcast_outcome(None)
             if snapshot is not None:
                 dist.broadcast_outcome(json.dumps([0, 1.0, [events[0].metric, step]]))
-                self.rollback.replay.snapshot = snapshot
                 return self._replaying(snapshot)
             if rolled is None:
                 return self.outcome.stop_for_anomaly(f"anomaly: {events[0].reason}")
@@ -477,7 +485,8 @@ class TrainingCore:
                 if snapshot is not None:
                     store.wait()  # the other ranks read the snapshot from disk
                     dist.broadcast_outcome(json.dumps([snapshot.id, 0, 1.0, [events[0].metric, step]]))
-                    self.rollback.replay.snapshot = snapshot  # for a second stage
+                    store.protect([snapshot.id])  # kept for a second stage (retention may not drop it)
+                    self.rollback.replay.snapshot = snapshot
                     return self._replaying(snapshot)
                 rolled = self.rollback.handle(store, events[0], step)
                 if rolled is not None:
@@ -575,6 +584,8 @@ class TrainingCore:
             assert dist is not None
             return self._replayed_elsewhere(dist, rows, step)
         verdict = replay.conclude(rows, hosts)
+        if dist is None or verdict.verdict != REPRODUCIBLE:
+            self._release_snapshot()  # no second stage
         writer = dist is None or dist.is_writer
         log.warning("replay: %s", verdict.reason)
         if verdict.hardware:
@@ -608,17 +619,24 @@ class TrainingCore:
         named: str | None = None
         info: CheckpointInfo | None = None
         if dist.is_writer:
-            pair = replay.pair_for(original, dist.world_size)
+            pair, why = replay.pair_for(original, dist.world_size, first)
             snapshot = replay.snapshot
             try:
+                store = self.resources.need_writer()
+                held = {c.id for c in self.rollback.known(store, step)} if pair is not None else set()
+                if pair is not None and (snapshot is None or snapshot.id not in held):
+                    pair, why = None, "the first stage's snapshot is no longer held"
                 if pair is not None and snapshot is not None:
-                    store = self.resources.need_writer()
                     info = self.rollback.restore_for_replay(store, snapshot, step)
                     store.wait()  # the other ranks read it from disk
                     named = json.dumps([info.id, *pair])
             except Exception as exc:
+                self._release_snapshot()
                 dist.broadcast_outcome(None, exc)
                 raise
+            if named is None:
+                self._release_snapshot()
+                log.warning("replay: no second stage: %s; the policy's rule decides", why)
             dist.broadcast_outcome(named)
         else:
             named = dist.broadcast_outcome(None)
@@ -628,11 +646,11 @@ class TrainingCore:
         if info is None:
             info = self.resources.need().restore(target)
         windows = dist.gather_values(replay.window(first.metric, first.from_step, first.onset_step))
+        self._release_snapshot()  # every rank restored it (the gather above waited for them)
         hosts, devices = describe(dist, replay.host, self._device())
         pair = (int(suspect), int(buddy))
         batches_of = replay.begin_elsewhere(first, original, pair, windows, hosts, devices, started)
         self._after_restore(0, 1.0, info, "replay on another rank's device")
-        swap_rng(dist, batches_of)
         self._drill.data_rank = batches_of
         log.warning(
             "replay: the same values on the same device; replaying steps %d-%d again with rank %d's batches on "
@@ -644,6 +662,14 @@ class TrainingCore:
             batches_of,
         )
         return Rollback(info.id, self.state.step, 0, 1.0)
+
+    def _release_snapshot(self) -> None:
+        """Rank 0: the first stage's snapshot is no longer needed for a second stage (retention may drop it)."""
+        replay = self.rollback.replay
+        snapshot, replay.snapshot = replay.snapshot, None
+        store = self.resources.store
+        if snapshot is not None and store is not None and hasattr(store, "unprotect"):
+            store.unprotect([snapshot.id])
 
     def _replayed_elsewhere(self, dist: Collective, rows: list[Local], step: int) -> Action:
         """The second stage reached the onset: a device wrong every time stops every rank for the supervisor
@@ -707,7 +733,11 @@ class TrainingCore:
     # -- saving and stopping -------------------------------------------------------------------
 
     def save(self, step: int, metrics: dict[str, float], *, force: bool = False) -> bool:
-        """Checkpoint `step`; False if it failed (reported: a full or broken disk does not stop training)."""
+        """Checkpoint `step`; False if it failed (reported: a full or broken disk does not stop training), or
+        in a replay's second stage (its steps ran other ranks' batches: the snapshot before it is committed)."""
+        if self._swapped:
+            log.warning("no checkpoint at step %d: a replay's second stage is under way", step)
+            return False
         result = self._saver.save(self.resources.need(), step, metrics, force=force)
         self.decider.saved(step, result.blocked_s, result.ended)
         return result.ok

@@ -165,6 +165,23 @@ class Distributed:
         dist.all_gather(out, mine, group=self.group)
         return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
 
+    def exchange_bytes(self, data: bytes, peer: int) -> bytes:
+        """`peer`'s bytes for this rank's (the peer calls it naming this rank); point to point, so the other
+        ranks take no part; `peer` == this rank: `data` back."""
+        if peer == self.rank:
+            return data
+        size, theirs = torch.tensor([len(data)], dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+        for op in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, size, peer, self.group), dist.P2POp(dist.irecv, theirs, peer, self.group)]
+        ):
+            op.wait()
+        out = torch.empty(int(theirs.item()), dtype=torch.uint8)
+        ops = [dist.P2POp(dist.isend, _as_tensor(data), peer, self.group)] if data else []
+        ops += [dist.P2POp(dist.irecv, out, peer, self.group)] if out.numel() else []
+        for op in dist.batch_isend_irecv(ops) if ops else []:
+            op.wait()
+        return bytes(out.numpy())
+
     def gather_state(self, nested: dict[str, Any]) -> dict[str, Any] | None:
         """Every rank's nested state on rank 0 as {"<rank>": nested} (None elsewhere)."""
         packed = self.gather_bytes(pack_state(nested))

@@ -205,9 +205,13 @@ class Replayer:
         device: str = "cpu",
         deterministic: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
+        swaps_batches: bool = False,
     ):
         self.settings, self.rank, self.host, self.device = settings, rank, host, device
         self._deterministic, self._clock = deterministic, clock
+        #: Whether the driver hands a rank another rank's batch (`TrainingCore.batch_for_step`): the Session
+        #: loop does; a framework's own loop does not, so it gets no second stage.
+        self.swaps_batches = swaps_batches
         self.trail = Trail(settings.max_steps if settings.enabled else 1)
         self.active: Replay | None = None
         #: Rank 0: the first stage's snapshot (a second stage restores it again).
@@ -272,13 +276,29 @@ class Replayer:
 
     # -- the second stage: the suspect's batches on another rank's device --------------------------
 
-    def pair_for(self, event: Event, world_size: int) -> tuple[int, int] | None:
-        """(suspect, buddy) for the second stage: the rank that saw `event` and the next one; None when the
-        policy asks for none, or there is no other rank."""
-        if not self.settings.other_device or world_size < 2:
-            return None
-        suspect = int(event.evidence.get("seen_on_rank", 0)) % world_size
-        return suspect, (suspect + 1) % world_size
+    def pair_for(self, event: Event, world_size: int, first: Verdict) -> tuple[tuple[int, int] | None, str]:
+        """(suspect, buddy) for the second stage: the one rank that saw `event` and the next one; else None and
+        why not (the policy asks for none, no other rank, several ranks saw it, the driver cannot swap batches,
+        or the first stage alone took the whole time budget)."""
+        seen = event.evidence.get("seen_by") or [event.evidence.get("seen_on_rank", 0)]
+        if not self.settings.other_device:
+            return None, "monitor.replay.other_device is off"
+        if world_size < 2:
+            return None, "there is no other rank's device"
+        if not self.swaps_batches:
+            return None, "this training loop cannot hand a rank another rank's batches (the Session loop can)"
+        if len(seen) > 1:
+            return None, (
+                f"ranks {sorted(seen)} all saw it at the onset: the damage had reached them through a collective, "
+                "so no one rank's batches can be moved away from it"
+            )
+        if first.seconds > self.settings.budget_seconds:
+            return None, (
+                f"the first stage took {first.seconds:.0f} s, over monitor.replay.budget_seconds "
+                f"({self.settings.budget_seconds:g}), and the second would take as long"
+            )
+        suspect = int(seen[0]) % world_size
+        return (suspect, (suspect + 1) % world_size), ""
 
     def window(self, metric: str, from_step: int, onset: int) -> list[float]:
         """This rank's logged values of steps (from_step, onset], as (present, value) pairs: what another
@@ -383,6 +403,14 @@ class Replayer:
             return Verdict(
                 INCONCLUSIVE,
                 reason=f"{span}: {r.metric} differed, but {why}; so the policy's rule applies",
+                **common,
+            )
+        if not moved.differs and rows[suspect].differs:
+            return Verdict(
+                INCONCLUSIVE,
+                reason=f"{span}: {r.metric} came out the same for the batches of {on(suspect)} elsewhere, but its "
+                f"device computed those of {on(buddy)} differently: neither the data nor the device alone; so "
+                "the policy's rule applies",
                 **common,
             )
         if moved.differs:

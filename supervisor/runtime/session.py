@@ -53,7 +53,13 @@ class Session:
         state = TrainingState()
         state.rank = dist.rank if dist else 0
         self._core = TrainingCore(
-            plan, load_session_policy(plan), state, config=self.config, run_name=run_name, dist=dist
+            plan,
+            load_session_policy(plan),
+            state,
+            config=self.config,
+            run_name=run_name,
+            dist=dist,
+            swaps_batches=True,  # `loop` hands a rank another rank's batch in a replay's second stage
         )
         self._step_metrics: dict[str, float] = {}  # this step's, for the detectors and the checkpoint
         self._restart_iter = False
