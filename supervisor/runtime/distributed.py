@@ -141,29 +141,26 @@ class Distributed:
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         """Every rank's bytes on rank 0 (None elsewhere): sizes to all, then one padded gather to rank 0."""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = _as_tensor(data)
+        mine, sizes = self._padded(data)
         out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
         dist.gather(mine, out, dst=0, group=self.group)
-        if out is None:
-            return None
-        return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+        return None if out is None else _unpadded(out, sizes)
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's bytes on every rank, by rank: sizes to all, then one padded all_gather."""
+        mine, sizes = self._padded(data)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return _unpadded(out, sizes)
+
+    def _padded(self, data: bytes) -> tuple[torch.Tensor, list[int]]:
+        """`data` as a uint8 tensor padded to the longest of every rank's (collective), and every rank's size."""
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
         dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
         mine[: len(data)] = _as_tensor(data)
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
-        return [bytes(t[: int(s.item())].numpy()) for t, s in zip(out, sizes, strict=True)]
+        return mine, [int(s.item()) for s in sizes]
 
     def exchange_bytes(self, data: bytes, peer: int) -> bytes:
         """`peer`'s bytes for this rank's (the peer calls it naming this rank); point to point, so the other
@@ -200,6 +197,10 @@ def job_plan(
         shared = dist.broadcast_text(json.dumps(plan.to_dict()) if dist.is_writer else None)
         plan = LaunchPlan.from_dict(json.loads(shared))
     return plan
+
+
+def _unpadded(tensors: list[torch.Tensor], sizes: list[int]) -> list[bytes]:
+    return [bytes(t[:n].numpy()) for t, n in zip(tensors, sizes, strict=True)]
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
