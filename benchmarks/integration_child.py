@@ -122,11 +122,14 @@ class Workload:
 def write_plan(
     workdir: Path, integration: str, *, run_id: str, every: int, checkpoint_id: str | None = None
 ) -> Path:
-    """A launch plan as `rollback-supervisor run` writes it: the lineage's MLflow run and a metric spool.
+    """A launch plan as `rollback-supervisor run` writes it: the lineage's MLflow run, a metric spool and the
+    validated policy.
 
     The training process appends metrics to the spool and never imports MLflow; the benchmark (untimed) ships
     the spool afterwards. With a checkpoint id the plan restores that checkpoint.
     """
+    from policies import load_policy
+    from policies.plain import policy_data
     from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +143,7 @@ def write_plan(
         tracking_uri=f"sqlite:///{workdir.parent / 'mlflow.db'}",
         run_id=run_id,
         policy_path=str(policy),
+        policy=policy_data(load_policy(policy)),  # validated here, as the supervisor does
         restore=RestoreSpec(checkpoint_id=checkpoint_id),
         metrics_spool=str(workdir / "metrics" / f"{name}.jsonl"),
     )

@@ -95,9 +95,12 @@ def write_plan(
 ) -> Path:
     """A launch plan for the benchmark's lineage; with a checkpoint id it restores that one.
 
-    Like the plans `rollback-supervisor run` writes, it names the lineage's MLflow run and a metric spool: the
-    training process logs to the spool and the supervisor (here the benchmark, untimed) ships it to MLflow.
+    Like the plans `rollback-supervisor run` writes, it names the lineage's MLflow run, a metric spool and the
+    validated policy: the training process logs to the spool and the supervisor (here the benchmark, untimed)
+    ships it to MLflow.
     """
+    from policies import load_policy
+    from policies.plain import policy_data
     from supervisor.runtime.plan import LaunchPlan, RestoreSpec
 
     policy = workdir / "policy.yaml"
@@ -110,6 +113,7 @@ def write_plan(
         tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}",
         run_id=run_id,
         policy_path=str(policy),
+        policy=policy_data(load_policy(policy)),  # validated here, as the supervisor does
         restore=RestoreSpec(checkpoint_id=checkpoint_id),
         metrics_spool=str(workdir / "metrics" / ("relaunch.jsonl" if checkpoint_id else "inprocess.jsonl")),
     )

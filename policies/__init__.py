@@ -1,20 +1,54 @@
-"""Rollback policies: the YAML schema, its loader, presets, checkpoint selectors and the pure decision engine."""
+"""Rollback policies: the YAML schema, its loader, presets, checkpoint selectors and the pure decision engine.
+
+The names are imported on first use (PEP 562): a training process reads `policies.history` and the plain
+policy view (`policies.plain`) without building the pydantic schema, which only validating or deciding needs.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from policies.decision import Decision
-from policies.engine import decide
-from policies.history import History, HistoryEntry, HistoryError
-from policies.loader import load_policy, parse_policy
-from policies.records import CheckpointRecord
-from policies.reference_doc import reference_markdown
-from policies.schema import Policy
-from policies.selectors import before, best, best_before, custom, latest
 from supervisor.errors import PolicyError
+
+if TYPE_CHECKING:
+    from policies.decision import Decision
+    from policies.engine import decide
+    from policies.history import History, HistoryEntry, HistoryError
+    from policies.loader import load_policy, parse_policy
+    from policies.records import CheckpointRecord
+    from policies.reference_doc import reference_markdown
+    from policies.schema import Policy
+    from policies.selectors import before, best, best_before, custom, latest
+
+_WHERE = {
+    "Decision": "policies.decision",
+    "decide": "policies.engine",
+    "History": "policies.history",
+    "HistoryEntry": "policies.history",
+    "HistoryError": "policies.history",
+    "load_policy": "policies.loader",
+    "parse_policy": "policies.loader",
+    "CheckpointRecord": "policies.records",
+    "reference_markdown": "policies.reference_doc",
+    "Policy": "policies.schema",
+    "before": "policies.selectors",
+    "best": "policies.selectors",
+    "best_before": "policies.selectors",
+    "custom": "policies.selectors",
+    "latest": "policies.selectors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'policies' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
 
 #: Where the shipped presets live (`<name>.yaml`).
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -33,11 +67,15 @@ def load_preset(name: str) -> Policy:
     if not path.is_file():
         names = ", ".join(preset_names())
         raise PolicyError([f"preset {name!r}: expected one of {names}, got no such preset"])
+    from policies.loader import load_policy
+
     return load_policy(path)
 
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a policy file, for editors and `jsonschema`."""
+    from policies.schema import Policy
+
     schema = Policy.model_json_schema(by_alias=True)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "rollback-supervisor policy, version 1"

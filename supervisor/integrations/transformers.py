@@ -106,6 +106,7 @@ from supervisor.state import TrainingState
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+    from policies.plain import PolicyView
     from policies.schema import Policy
 
 __all__ = [
@@ -511,7 +512,7 @@ def _set_trainer_counters(trainer: Trainer | None, state: TrainerState) -> None:
         setattr(trainer, name, getattr(state, field))
 
 
-def _warn_about_args(args: TrainingArguments, state: TrainerState, policy: Policy) -> None:
+def _warn_about_args(args: TrainingArguments, state: TrainerState, policy: Policy | PolicyView) -> None:
     """Warn, with what to set, about arguments that hide anomalies or cost without helping."""
     every = policy.checkpoint.every_steps
     logging_steps = state.logging_steps if _param(args.logging_strategy) == "steps" else None

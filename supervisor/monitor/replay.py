@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from policies.monitor_schema import AnyDetectorSpec
 from supervisor.events import Event
 from supervisor.monitor.detector_set import DetectorSet
 from supervisor.monitor.detectors import Point
 from supervisor.monitor.from_specs import build_detectors
 from supervisor.monitor.segments import Segmenter
+
+if TYPE_CHECKING:
+    from policies.monitor_schema import AnyDetectorSpec
 
 
 def replay(

@@ -25,6 +25,7 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from policies import Decision, History, load_policy
+from policies.plain import policy_data
 from policies.schema import Policy
 from supervisor.checkpoint import open_store
 from supervisor.checkpoint.remote import RemoteTier
@@ -300,6 +301,7 @@ class LineageRunner:
             run_id=record.mlflow.run_id,
             segment=index,
             policy_path=str(Path(self.options.policy_path).resolve()),
+            policy=policy_data(self.policy),
             restore=RestoreSpec(**record.next_restore),
             history=self.history.to_dict(),
             supervisor_pid=os.getpid(),

@@ -34,7 +34,8 @@ import torch
 from supervisor import exitcodes
 from supervisor.checkpoint import CheckpointInfo, preload
 from supervisor.events import Event
-from supervisor.monitor import DetectorSet, build_detectors
+from supervisor.monitor.detector_set import DetectorSet
+from supervisor.monitor.from_specs import build_detectors
 from supervisor.runtime.actions import CONTINUE, Action, Rollback, SaveDue, Stop
 from supervisor.runtime.agreement import Agreement
 from supervisor.runtime.cadence import Cadence, failures_in
@@ -66,6 +67,7 @@ from supervisor.runtime.swap import describe, give_back, take_over
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
+    from policies.plain import PolicyView
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
@@ -104,7 +106,7 @@ class TrainingCore:
     def __init__(
         self,
         plan: LaunchPlan,
-        policy: Policy,
+        policy: Policy | PolicyView,
         state: TrainingState,
         *,
         config: dict[str, Any] | None = None,
@@ -115,7 +117,7 @@ class TrainingCore:
         in_process_rollback: bool = True,
         swaps_batches: bool = False,
     ):
-        from policies import History
+        from policies.history import History
 
         self.plan, self.state = plan, state
         self.in_process_rollback = in_process_rollback

@@ -54,6 +54,9 @@ class LaunchPlan:
     run_id: str | None = None
     segment: int = 0
     policy_path: str | None = None
+    # The policy the supervisor validated, as plain data (`policies.plain.policy_data`), so that the training
+    # side reads it without pydantic; None (a stand-alone run, an older supervisor): `policy_path` is read.
+    policy: dict[str, Any] | None = None
     restore: RestoreSpec = field(default_factory=RestoreSpec)
     history: dict[str, Any] = field(default_factory=dict)
     supervised: bool = True

@@ -28,6 +28,7 @@ from supervisor.runtime.wiring import checkpoint_options
 from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
+    from policies.plain import PolicyView
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
@@ -60,7 +61,7 @@ class SegmentResources:
     def for_plan(
         cls,
         plan: LaunchPlan,
-        policy: Policy,
+        policy: Policy | PolicyView,
         requests: StopRequests,
         *,
         config: dict[str, Any],

@@ -25,6 +25,7 @@ from supervisor.runtime.seams import CheckpointStore, Collective
 
 if TYPE_CHECKING:
     from policies import Decision, History
+    from policies.plain import PolicyView
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
@@ -44,12 +45,14 @@ class RolledBack:
 class InProcessRollback:
     """Decides each anomaly with the policy engine and carries out the rollbacks it can; keeps the history.
 
+    `policy` may be a launch plan's view of it: the engine (pydantic, the schema) is imported at the first
+    decision, never before.
     Not thread-safe: the training thread calls it.
     """
 
     def __init__(
         self,
-        policy: Policy,
+        policy: Policy | PolicyView,
         history: History,
         failures: SaveFailures,
         reporter: EventReporter,
@@ -67,12 +70,13 @@ class InProcessRollback:
 
     def handle(self, store: CheckpointStore, event: Event, step: int) -> RolledBack | None:
         """Roll back for `event` if the policy says so and the target is here; None: reported, not handled."""
-        from policies import decide
+        from policies.engine import decide
+        from policies.plain import as_model
         from policies.records import to_records
 
         known = self.known(store, step)
         decision = decide(
-            self.policy, event, self.history, to_records(known), now=self._clock(), in_process=True
+            as_model(self.policy), event, self.history, to_records(known), now=self._clock(), in_process=True
         )
         log.warning("in-process anomaly: %s -> %s", event.reason, decision.reason)
         if decision.action != "rollback" or decision.target_id is None:
@@ -118,12 +122,13 @@ class InProcessRollback:
 
     def _warned(self, event: Event, step: int) -> bool:
         """If the policy's rule for `event` says warn: decide, record and report it; True then."""
-        from policies import decide
-
         match = self.policy.rule_for(event.type)
         if match is None or match[1].action != "warn":
             return False
-        decision = decide(self.policy, event, self.history, [], now=self._clock(), in_process=True)
+        from policies.engine import decide
+        from policies.plain import as_model
+
+        decision = decide(as_model(self.policy), event, self.history, [], now=self._clock(), in_process=True)
         log.warning("in-process anomaly at step %d: %s -> %s", step, event.reason, decision.reason)
         self.history = self.history.record(event, decision, self._clock())
         self._reporter.anomaly(event, decision, handled=True)

@@ -24,6 +24,7 @@ from supervisor.state import TrainingState
 
 if TYPE_CHECKING:
     from policies import History
+    from policies.plain import PolicyView
     from policies.schema import Policy
 
 log = logging.getLogger("rollback_supervisor.session")
@@ -112,8 +113,9 @@ class Session:
         return self._core.failures.count
 
     @property
-    def policy(self) -> Policy:
-        """The lineage's policy (read-only: the segment was built from it)."""
+    def policy(self) -> Policy | PolicyView:
+        """The lineage's policy (read-only: the segment was built from it); under a supervisor, the plan's view
+        of the policy it validated."""
         return self._core.rollback.policy
 
     @property

@@ -15,7 +15,12 @@ DEFAULT_PRESET = "palm-spike"
 
 
 def load_session_policy(plan: LaunchPlan) -> Any:
-    """The plan's policy file, or the default preset for stand-alone runs."""
+    """The policy the supervisor validated, as the plan carries it (a `PolicyView`: no pydantic, no schema);
+    else the plan's policy file, validated here, or the default preset for stand-alone runs."""
+    if plan.policy is not None:
+        from policies.plain import PolicyView
+
+        return PolicyView.of(plan.policy)
     from policies import load_policy, load_preset
 
     return load_policy(plan.policy_path) if plan.policy_path else load_preset(DEFAULT_PRESET)
