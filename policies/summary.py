@@ -25,6 +25,8 @@ def summarize(policy: Policy) -> str:
     if policy.script is not None:
         lines += ["Script mode (the command does not use the training-side API)", *_script(policy), ""]
     lines += [f"Watching (every {policy.monitor.poll_seconds:g} s)", *_detectors(policy), ""]
+    if policy.monitor.replay is not None and policy.monitor.replay.enabled:
+        lines += ["Replay (data or hardware?)", *_replay(policy), ""]
     lines.append("On each event")
     width = max(len(t) for t in EVENT_TYPES)
     for event_type in EVENT_TYPES:
@@ -80,6 +82,32 @@ def _detectors(policy: Policy) -> list[str]:
         n = m.preemption_notice
         where = n.endpoint or f"the {n.provider} metadata service"
         lines.append(f"  preemption notices: polled from {where} every {n.poll_seconds:g} s.")
+    return lines
+
+
+def _replay(policy: Policy) -> list[str]:
+    r = policy.monitor.replay
+    assert r is not None
+    lines = [
+        f"  Before a rule applies to {_join(list(r.when), 'or')} (onset at the step just seen), the steps up to "
+        f"the onset run again from the newest memory snapshot 2 to {r.max_steps} steps back (skipped when they "
+        f"would take over {r.budget_seconds:g} s), with the same batches and RNG streams, compared bit for bit.",
+        "  A different value: hardware_fault (replay_mismatch); training goes on from the replayed state, nothing "
+        "skipped.",
+    ]
+    if r.other_device:
+        lines.append(
+            "  The same value, under torchrun (the Session loop): the steps run once more with that rank's batches "
+            "on the next rank's device; a different value there is hardware_fault (persistent_mismatch) and every "
+            "rank stops for the rule below; the same value leaves the anomaly's rule to decide."
+        )
+    else:
+        lines.append("  The same value: the anomaly's rule decides (other_device is off: no second stage).")
+    if policy.rule_for("hardware_fault") is None:
+        lines.append(
+            "  No rule handles hardware_fault: a device found wrong every time (persistent_mismatch) fails the run; "
+            "add one (e.g. resume) to relaunch away from its host."
+        )
     return lines
 
 

@@ -327,3 +327,26 @@ def test_every_rank_parting_at_the_same_step_names_no_host():
     assert (verdict.verdict, verdict.ranks, verdict.hosts) == (MISMATCH, [0, 1], [])
     assert "no rank or host is named" in verdict.reason
     assert hardware_event(verdict, nan_at(6), 1.0).evidence["hosts"] == []
+
+
+def test_policy_explain_says_what_the_replay_does_and_warns_when_no_rule_takes_a_faulty_device():
+    from policies import parse_policy
+    from policies.summary import summarize
+
+    text = """\
+version: 1
+name: r
+monitor:
+  detectors: [{type: non_finite, metrics: [loss]}]
+  replay: {enabled: true, max_steps: 4, when: [non_finite, spike]%s}
+rules: [{when: [non_finite], action: rollback, target: {select: latest}}%s]
+"""
+    bare = summarize(parse_policy(text % ("", "")))
+    assert "Replay (data or hardware?)" in bare and "2 to 4 steps back" in bare
+    assert "non_finite or spike" in bare and "persistent_mismatch" in bare
+    assert "No rule handles hardware_fault" in bare
+    handled = summarize(
+        parse_policy(text % (", other_device: false", ", {when: [hardware_fault], action: resume}"))
+    )
+    assert "no second stage" in handled and "No rule handles hardware_fault" not in handled
+    assert "Replay" not in summarize(parse_policy(text.replace("enabled: true", "enabled: false") % ("", "")))
