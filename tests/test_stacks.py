@@ -521,3 +521,21 @@ def test_a_failing_collection_leaves_the_event_as_it_was():
     hang = Event(type="hang", reason="no progress")
     assert _segment_run(broken)._with_stacks(seg, _Handle(), hang) is hang
     assert seg.stacks is None
+
+
+def test_arming_again_sets_the_handler_again_after_something_replaced_it(tmp_path: Path):
+    # Lightning's signal connector restores every signal's handler as `signal.getsignal` saw it (SIG_DFL for
+    # ours, which faulthandler installed behind Python's back); faulthandler re-registering a signal it holds
+    # only swaps the file. A process armed again must still dump, not die of the signal. In a child: it would.
+    script = f"""
+import os, signal
+from pathlib import Path
+from supervisor.monitor import stack_dump
+stack_dump.install(Path({str(tmp_path)!r}) / "a", 0)
+signal.signal(stack_dump.STACK_SIGNAL, signal.SIG_DFL)
+path = stack_dump.install(Path({str(tmp_path)!r}) / "b", 0)
+os.kill(os.getpid(), stack_dump.STACK_SIGNAL)
+print("dumped" if "File" in path.read_text() else "empty")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "dumped"), done.stderr[-2000:]

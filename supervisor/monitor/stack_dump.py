@@ -74,6 +74,10 @@ def install(directory: str | os.PathLike[str], rank: int) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         file: IO[str] = open(path, "a")  # noqa: SIM115 - kept open for faulthandler until the process ends
+        # faulthandler re-registers a signal it holds by changing the file only, without setting its handler
+        # again; something may have replaced that handler since (a framework restoring every signal's handler
+        # as `signal.getsignal` saw it, which knows nothing of faulthandler's): unregister first.
+        faulthandler.unregister(STACK_SIGNAL)
         faulthandler.register(STACK_SIGNAL, file=file, all_threads=True, chain=False)
         header = {
             "rank": rank,
@@ -319,10 +323,14 @@ def _await_nccl(
     """The flight recorder dumps written since `since` for the pipes fired, copied into `directory`; waits for
     them until the deadline (the dump is torch's own format, kept as it is)."""
     wanted = [p.with_suffix("") for p in fired]
+    seen: dict[Path, int] = {}  # each dump's size at the previous look: one that still grows is not done
     while True:
-        ready = [p for p in wanted if p.exists() and p.stat().st_mtime >= since - 1.0]
+        sizes = {p: p.stat().st_size for p in wanted if p.exists() and p.stat().st_mtime >= since - 1.0}
+        ready = [p for p, n in sizes.items() if n > 0 and seen.get(p) == n]
         if len(ready) == len(wanted) or clock() >= deadline:
+            ready = ready if len(ready) == len(wanted) else list(sizes)  # at the deadline: what there is
             break
+        seen = sizes
         sleep(0.05)
     kept = []
     for path in ready:
