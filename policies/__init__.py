@@ -6,12 +6,12 @@ policy view (`policies.plain`) without building the pydantic schema, which only 
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor.errors import PolicyError
+from supervisor.lazy import exports
 
 if TYPE_CHECKING:
     from policies.decision import Decision
@@ -42,12 +42,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'policies' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _WHERE)
 
 
 #: Where the shipped presets live (`<name>.yaml`).

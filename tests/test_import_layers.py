@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
         "supervisor.errors", "supervisor.exitcodes", "supervisor.events", "supervisor.command",
         "supervisor.layout", "supervisor.spool", "supervisor.flatten", "supervisor.rng",
         "supervisor.stateful", "supervisor.dtypes", "supervisor.smallfile", "supervisor.cgroup", "supervisor.__init__",
+        "supervisor.lazy",
         # Pure, standard library only: the policy schema validates script-mode patterns and templates with them.
         "supervisor.script.template", "supervisor.script.output",
     ),

@@ -6,8 +6,9 @@ heartbeat and the notices does not import the exit classifier, and through its p
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from supervisor.lazy import exports
 
 # Not lazy: a lazy `replay` would be the submodule of that name once anything imported it.
 from supervisor.monitor.replay import replay
@@ -92,9 +93,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'supervisor.monitor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"supervisor.monitor.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, {name: f"{__name__}.{module}" for name, module in _WHERE.items()})

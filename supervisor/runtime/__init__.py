@@ -8,8 +8,9 @@ plans (`supervisor.runtime.plan`), never imports torch through this package.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from supervisor.lazy import exports
 
 if TYPE_CHECKING:
     from supervisor.runtime.core import TrainingCore
@@ -27,9 +28,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'supervisor.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports(__name__, _WHERE)
