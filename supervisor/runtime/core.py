@@ -326,7 +326,7 @@ class TrainingCore:
         writing = store is not None and store.writing()
         pending = self.outcome.pending
         due = self.decider.save_due(step, now, writing=writing, stopping=pending is not None, final=final)
-        due = due and not self._swapped  # a second stage's state holds swapped RNG streams: never saved
+        due = due and not self._swapped  # a second stage's steps ran other ranks' batches: never saved
         if self.decider.agreement is not None:
             return self._agree(events, step, due=due, writing=writing)
         if due:
