@@ -15,10 +15,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
+from flows import prefect_fork
 from policies import load_policy
 from supervisor.launcher.slurm import launcher_from_policy
 from supervisor.lineage import LineageRecord
 from supervisor.orchestrator import LineageRunner, Outcome, RunOptions, default_lineage, python_command
+
+prefect_fork.install()
 
 T = TypeVar("T")
 #: Task names of the runner's steps, as Prefect shows them.
