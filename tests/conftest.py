@@ -33,6 +33,23 @@ os.environ.setdefault("ROLLBACK_CACHE_DIR", str(_SESSION_TMP / "cache"))
 os.environ.pop("ROLLBACK_SUPERVISOR_FAULTS", None)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's loadfile hands out files by their number of tests unless told otherwise; the order that counts
+    # is the one below (tests/file_costs.py says why).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, the files with the most measured seconds first (each file's tests keep their order)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from tests.file_costs import load
+
+    costs = load()
+    items.sort(key=lambda item: -costs.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: files stay whole
+
+
 @pytest.fixture
 def mlflow_sqlite_uri(tmp_path: Path) -> str:
     """A fresh MLflow tracking store on sqlite in tmp_path."""
