@@ -532,8 +532,13 @@ def _build(example: ModuleType, integration: str, argv: list[str]) -> tuple[Any,
     return trainer, trainer.model
 
 
+#: The trainers and models of this process, kept until it leaves with os._exit (see `_leave_together`).
+_KEEP: list[Any] = []
+
+
 def _train(integration: str, trainer: Any, model: Any, checkpoint: Path | None = None) -> int:
     """`fit()`/`train()`, with the framework's own resume from `checkpoint` if given; the exit code."""
+    _KEEP.extend((trainer, model))
     try:
         if integration == "lightning":
             trainer.fit(model, ckpt_path=None if checkpoint is None else str(checkpoint))
@@ -577,13 +582,20 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0's clocks and results
         a.out.write_text(json.dumps(result, indent=2))
     _leave_together()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _leave_together() -> None:
     """Under torchrun, leave the process group together once the clocks are read: a rank whose gloo pair is
     torn down by a peer that exited first can abort ("terminate called without an active exception"). The
-    HF Trainer leaves its group up after train(); our callback's own group is already gone."""
+    HF Trainer leaves its group up after train(); our callback's own group is already gone.
+
+    The process then leaves with os._exit, its trainer and DDP model never destroyed (`_KEEP`): destroying
+    a DDP Reducer drops its gloo process group with the GIL held, and the group's destructor joins a worker
+    thread that may still be freeing a finished collective's tensors, which needs the GIL (pytorch#56297).
+    A relaunch child of the HF Trainer under torchrun hung there once in the suite, for the test's 600 s."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

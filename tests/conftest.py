@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.cpu_profile"]  # per-test CPU seconds with ROLLBACK_TEST_CPU=FILE
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="rbs-tests-"))
 
 # Quiet, offline Prefect (FACTS.md): no telemetry, no UI, a generous ephemeral start-up timeout,
@@ -111,3 +113,22 @@ def prefect_harness(prefect_api):
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_api.api_url}):
         yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_prefect_services_past_their_module():
+    """Stop the event and log workers an in-process flow started, at the end of its test file.
+
+    The events worker keeps a websocket to the server open, and `websockets` draws each keepalive ping's
+    payload from Python's global `random` every 20 s: a later test in the same worker that checks that
+    nothing moved the global RNG streams (tests/test_data_resumable.py) then saw the stream move. The next
+    flow starts new workers.
+    """
+    yield
+    if "prefect.events.worker" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (EventsWorker, APILogWorker):
+        service.drain_all(timeout=10)

@@ -358,6 +358,7 @@ class RollbackSupervisorCallback(TrainerCallback):
             # process group first, or gloo's threads can abort a rank during finalization (SIGABRT, exit -6),
             # and the supervisor would see a crash instead of the stop every rank agreed on.
             if torch.distributed.is_available() and torch.distributed.is_initialized():
+                _let_gloo_threads_finish()
                 torch.distributed.destroy_process_group()
             raise SystemExit(core.exit_code)
 
@@ -638,3 +639,18 @@ def _calling_trainer() -> Trainer | None:
             return owner
         frame = frame.f_back
     return None
+
+
+#: How long the main thread lets go of the GIL before the Trainer's process group is released.
+GLOO_SETTLE_SECONDS = 0.05
+
+
+def _let_gloo_threads_finish() -> None:
+    """Let a gloo worker thread free the tensors of the Trainer's last collective before the group can go.
+
+    The Trainer's last all_gather (its FLOs count, just before `on_train_end`) is freed on a gloo thread, and
+    freeing its tensors takes the GIL. When the DDP model is destroyed as SystemExit unwinds, its Reducer drops
+    the group with the GIL held, and the group's destructor joins that thread: a deadlock (pytorch#56297) in
+    which the rank never exits. Sleeping releases the GIL, so a thread still freeing gets it and finishes.
+    """
+    time.sleep(GLOO_SETTLE_SECONDS)
