@@ -280,7 +280,9 @@ def _worktrees() -> str:
 @pytest.mark.skipif(not IN_GIT, reason="needs a git checkout")
 def test_end_to_end_head_commit_against_the_working_tree(tmp_path):
     out = tmp_path / "compare.json"
-    args = "--base HEAD --bench checkpoint --bench rollback --size tiny --params 100K --rounds 1 --reps 1 --timeout 240"
+    # The checkpoint bench alone: what is compared does not depend on the bench (each one's figures are checked
+    # against its own real JSON: the rollback bench's in tests/test_bench_rollback.py).
+    args = "--base HEAD --bench checkpoint --params 100K --rounds 1 --reps 1 --timeout 240"
     cmd = [sys.executable, "-m", "benchmarks.compare_commits", *args.split(), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     # At this size the timings are milliseconds of noise, so either verdict is fine; a failed run (3) is not.
@@ -298,12 +300,7 @@ def test_end_to_end_head_commit_against_the_working_tree(tmp_path):
     assert base["rev"] == head["rev"]
 
     runs = report["runs"]
-    assert [(r["bench"], r["side"]) for r in runs] == [
-        ("checkpoint", "base"),
-        ("checkpoint", "head"),
-        ("rollback", "base"),
-        ("rollback", "head"),
-    ]
+    assert [(r["bench"], r["side"]) for r in runs] == [("checkpoint", "base"), ("checkpoint", "head")]
     for r in runs:
         tree = base["path"] if r["side"] == "base" else head["path"]
         assert r["imported"]["root"] == str(Path(tree).resolve())
@@ -311,9 +308,8 @@ def test_end_to_end_head_commit_against_the_working_tree(tmp_path):
         assert r["imported"]["foreign_modules"] == []
     assert runs[0]["imported"]["root"] != runs[1]["imported"]["root"]
     assert 50_000 < runs[0]["result"]["params"] < 200_000  # --params 100K reached the benchmark
-    assert runs[2]["result"]["size"] == "tiny"
 
-    for bench in ("checkpoint", "rollback"):
+    for bench in ("checkpoint",):
         figures = report["benches"][bench]["figures"]
         assert list(figures) == [f.name for f in FIGURES[bench]]
         for name, f in figures.items():

@@ -166,3 +166,8 @@ def test_tiny_run_through_the_cli_writes_every_key(tmp_path: Path):
     assert result["in_process"]["tiers"] == ["memory"]  # the fast path restored from the memory ring
     assert len(result["relaunch"]["samples"]) == len(result["naive_restart"]["samples"]) == 1
     assert all(result[k] > 0 for k in ("in_process_s", "relaunch_s", "naive_restart_s", "step_s"))
+    # Every figure `benchmarks/compare_commits.py` compares is a number in this JSON (its end-to-end test runs
+    # the checkpoint bench only; this run is the rollback bench's).
+    from benchmarks.compare_commits import FIGURES, figure_value
+
+    assert {f.name: figure_value(result, f) for f in FIGURES["rollback"] if not figure_value(result, f)} == {}
