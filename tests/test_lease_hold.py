@@ -27,21 +27,22 @@ CLI = Path(sys.executable).with_name("rollback-supervisor")
 
 def test_keeper_holds_a_short_lease_through_a_long_wait(tmp_path: Path):
     """The wait is 2x the TTL: with the keeper renewing, nobody else can take the lease meanwhile."""
-    a = Lease(str(tmp_path), ttl_seconds=2.0, owner=A)
+    ttl = 1.5  # the keeper renews every 0.5 s: a renewal would have to be 1 s late to lose it
+    a = Lease(str(tmp_path), ttl_seconds=ttl, owner=A)
     a.acquire()
     keeper = LeaseKeeper(a).start()
     try:
-        deadline = time.monotonic() + 4.0  # the supervisor "sleeps through its backoff"
+        deadline = time.monotonic() + 2 * ttl  # the supervisor "sleeps through its backoff"
         while time.monotonic() < deadline:
             with pytest.raises(LeaseHeldError, match="driven by host-a:101:aaaa"):
-                Lease(str(tmp_path), ttl_seconds=2.0, owner=B).acquire(0)
+                Lease(str(tmp_path), ttl_seconds=ttl, owner=B).acquire(0)
             time.sleep(0.2)
         keeper.check()  # and before the launch, the lease is still ours
         keeper.renew_now()
     finally:
         keeper.stop()
-    time.sleep(2.2)  # without the keeper, the lease expires
-    Lease(str(tmp_path), ttl_seconds=2.0, owner=B).acquire(0)
+    time.sleep(ttl + 0.2)  # without the keeper, the lease expires
+    Lease(str(tmp_path), ttl_seconds=ttl, owner=B).acquire(0)
     with pytest.raises(LeaseHeldError, match="lost the lease .* to host-b:202:bbbb"):
         LeaseKeeper(a).check()
 
@@ -238,17 +239,18 @@ def _run_argv(workdir: Path, policy: Path, *, lease_wait: float, ttl: float) -> 
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_harness, tmp_path: Path):
-    """A sleeps 12 s between segments with a 4 s lease: B with no wait is refused with A's name, C waits for
-    A to finish, and the lineage record shows no two segments running at once."""
+    """A sleeps 3x its lease's TTL between segments (9 s with a 3 s lease): B with no wait is refused with
+    A's name, C waits for A to finish, and the lineage record shows no two segments running at once."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     policy = tmp_path / "policy.yaml"
-    policy.write_text(DELAY_POLICY.format(delay=12, restarts=1))
+    ttl = 3  # renewed every second: a renewal would have to be 2 s late to lose it
+    policy.write_text(DELAY_POLICY.format(delay=3 * ttl, restarts=1))
     work = tmp_path / "work"
     lineage_dir = work / "lineages" / "held"
     first = subprocess.Popen(
-        _run_argv(work, policy, lease_wait=0, ttl=4),
+        _run_argv(work, policy, lease_wait=0, ttl=ttl),
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -258,7 +260,7 @@ def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_ha
     waiter = None
     try:
         deadline = time.monotonic() + 240
-        while True:  # A's first segment ended and A is sleeping through its 8 s backoff
+        while True:  # A's first segment ended and A is sleeping through its backoff
             rec = _record(lineage_dir)
             segs = (rec or {}).get("segments", [])
             if segs and segs[0].get("decision") and len(segs) == 1:
@@ -266,12 +268,12 @@ def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_ha
             assert first.poll() is None, first.communicate()[0]
             assert time.monotonic() < deadline, "A never finished its first segment"
             time.sleep(0.1)
-        time.sleep(8.0)  # 2x the TTL into the delay: the lease must still be A's
+        time.sleep(2 * ttl)  # 2x the TTL into the delay: the lease must still be A's
         owner = json.loads((lineage_dir / "lease.json").read_text())["owner"]
 
         started = time.monotonic()
         second = subprocess.run(
-            _run_argv(work, policy, lease_wait=0, ttl=4),
+            _run_argv(work, policy, lease_wait=0, ttl=ttl),
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -285,7 +287,7 @@ def test_no_two_trainings_of_a_lineage_overlap_through_a_long_backoff(prefect_ha
         assert refused_in < 30  # refused before Prefect's flow machinery starts (no server start-up)
 
         waiter = subprocess.Popen(
-            _run_argv(work, policy, lease_wait=120, ttl=4),
+            _run_argv(work, policy, lease_wait=120, ttl=ttl),
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,

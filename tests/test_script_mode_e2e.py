@@ -149,7 +149,26 @@ def test_a_real_divergence_is_rolled_back_and_relaunched_with_the_lr_scaled(work
 def test_the_drills_external_faults_resume_from_the_scripts_own_file_bit_for_bit(workdir, tmp_path):
     spec, policy = "kill@45,term@95,hang@145", _stable_policy(tmp_path, keep_last=40)
     options = _options(workdir, "drill", STABLE, policy, env={**THREADS, FAULTS_ENV: spec})
-    record, _ = _supervise(options)
+    # The reference, a run never interrupted, runs alongside the drill (one thread each; both mostly wait).
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    env = {**os.environ, **THREADS}
+    reference_run = subprocess.Popen(
+        [sys.executable, SCRIPT, *STABLE],
+        cwd=alone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        record, _ = _supervise(options)
+        reference_out, _ = reference_run.communicate(timeout=300)
+    finally:
+        if reference_run.poll() is None:
+            reference_run.kill()
+            reference_run.wait()
+    assert reference_run.returncode == 0, reference_out[-3000:]
     # The drill's judge passes each fault: seen as the right event, decided per the policy, recovered from.
     verdicts = judge(parse_faults(spec), timeline_rows(record), load_policy(policy), record.status)
     assert [v.passed for v in verdicts] == [True, True, True], verdicts
@@ -183,10 +202,6 @@ def test_the_drills_external_faults_resume_from_the_scripts_own_file_bit_for_bit
         ]
     assert record.status == "finished"
     # The script saves all its state, so its resumes are exact: the same weights as a run never interrupted.
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    env = {**os.environ, **THREADS}
-    subprocess.run([sys.executable, SCRIPT, *STABLE], cwd=alone, env=env, check=True, capture_output=True)
     ours = torch.load(workdir / "drill" / "out" / "ckpt.pt", weights_only=True)
     reference = torch.load(alone / "out" / "ckpt.pt", weights_only=True)
     assert ours["iter_num"] == reference["iter_num"] == 200
