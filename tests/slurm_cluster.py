@@ -103,8 +103,8 @@ SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# a requeued job waits cred_expire seconds before it may start again (default 120)
-AuthInfo=cred_expire=10
+# a requeued job waits cred_expire seconds before it may start again (default 120; 5 is the least SLURM takes)
+AuthInfo=cred_expire=5
 StateSaveLocation={b}/state
 SlurmdSpoolDir={b}/spool
 SlurmctldPidFile={b}/slurmctld.pid
@@ -116,7 +116,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=2
+# a pending job (a requeued one once its wait is over) is looked at every second
+SchedulerParameters=sched_interval=1,bf_interval=1
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none

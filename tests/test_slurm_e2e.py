@@ -6,6 +6,7 @@ segment is an `sbatch` job (or a `scontrol requeue` of the last one) that runs t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -28,7 +30,7 @@ CLI = Path(sys.executable).with_name("rollback-supervisor")
 def slurm_policy(tmp_path: Path, **slurm) -> Path:
     """The fast test policy, its segments run as SLURM jobs with `slurm` options."""
     data = yaml.safe_load(FAST_POLICY.read_text())
-    data["launcher"] = {"type": "slurm", "slurm": {"poll_seconds": 0.5, **slurm}}
+    data["launcher"] = {"type": "slurm", "slurm": {"poll_seconds": 0.25, **slurm}}
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -61,10 +63,11 @@ def test_a_killed_and_a_nan_run_finishes_through_slurm(slurm_cluster, prefect_ha
     env = {
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "ROLLBACK_SUPERVISOR_FAULTS": "kill@30,nan@45",
+        # nan@41: the rollback's target is the best checkpoint 20 steps before it (step 20's), as with nan@45.
+        "ROLLBACK_SUPERVISOR_FAULTS": "kill@30,nan@41",
     }
     proc = subprocess.run(
-        [*argv, "--stop-grace", "10", "--", "python", CHARLM, "--steps", "60", "--eval-every", "20"],
+        [*argv, "--stop-grace", "10", "--", "python", CHARLM, "--steps", "50", "--eval-every", "20"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -91,7 +94,8 @@ def test_a_killed_and_a_nan_run_finishes_through_slurm(slurm_cluster, prefect_ha
 
 def test_requeue_runs_the_next_segment_in_the_same_job(slurm_cluster, prefect_harness, tmp_path):  # noqa: F811
     work = tmp_path / "w"
-    result = run_flow(work, 40, faults="kill@30", policy=slurm_policy(tmp_path, relaunch="requeue"))
+    # 32 steps: the requeued segment resumes from step 20's checkpoint and needs only to reach an end.
+    result = run_flow(work, 32, faults="kill@30", policy=slurm_policy(tmp_path, relaunch="requeue"))
     assert result["status"] == "finished", result
     rec = record(work)
     ids = job_ids(rec)
@@ -139,10 +143,43 @@ def test_a_job_at_its_time_limit_resumes_from_its_emergency_checkpoint(
     prefect_harness,
     tmp_path,
 ):
-    """`--time=1 --signal=TERM@50`: the tasks get SIGTERM 10-20 s in, save, and the next job resumes there."""
+    """`--time=1 --signal=TERM@50`: the tasks get SIGTERM 10-20 s in, save, and the next job resumes there.
+
+    The second job is not left to reach its own warning (up to 30 s more: slurmctld looks at time limits every
+    30 s): once it has trained a step past the restore, its task is SIGKILLed (srun exits 137, the `sigkill`
+    rule), a resumable end like the warning's, so the flow gives up after 2 segments all the same.
+    """
     work = tmp_path / "w"
     policy = slurm_policy(tmp_path, time_limit=1, warning_seconds=50)
-    result = run_flow(work, 100000, policy=policy, max_segments=2)
+    killed: list[str] = []
+    done = threading.Event()
+
+    def kill_the_second_job_once_it_trains() -> None:
+        lineage = work / "lineages" / "t"
+        while not done.wait(0.25):
+            try:
+                segs = record(work)["segments"]
+                beat = json.loads((lineage / "heartbeat.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                continue
+            if len(segs) < 2 or not segs[1].get("slurm_job_id") or segs[0].get("last_step") is None:
+                continue
+            if beat.get("step", 0) > segs[0]["last_step"]:  # the second job restored and trained on
+                # Its training process dies as under a `kill` fault (`scancel --signal=KILL` would not do:
+                # slurmctld takes a SIGKILL of the job for a cancel, an outside stop). One node: a local PID.
+                task = psutil.Process(beat["pid"])
+                assert CHARLM in task.cmdline(), task.cmdline()
+                task.kill()
+                killed.append(segs[1]["slurm_job_id"])
+                return
+
+    killer = threading.Thread(target=kill_the_second_job_once_it_trains, daemon=True)
+    killer.start()
+    try:
+        result = run_flow(work, 100000, policy=policy, max_segments=2)
+    finally:
+        done.set()
+        killer.join(5)
     rec = record(work)
     first, second = rec["segments"]
     assert first["event"]["type"] == "preemption", first
@@ -155,6 +192,9 @@ def test_a_job_at_its_time_limit_resumes_from_its_emergency_checkpoint(
     assert second["restore"]["checkpoint_id"] == first["decision"]["target_id"]
     assert second["start_step"] == first["last_step"]
     assert result["status"] == "failed" and "gave up after 2 segments" in result["reason"]
+    # Ended by our SIGKILL, or by its own warning if that came first; resumable either way.
+    assert second["decision"]["action"] == "resume", second
+    assert killed or second["event"]["evidence"].get("kind") == "time_limit", second
 
 
 def run_ddp_slurm(workdir: Path, policy: Path, faults: str = "") -> dict:
@@ -173,6 +213,26 @@ def run_ddp_slurm(workdir: Path, policy: Path, faults: str = "") -> dict:
     )
 
 
+def start_ddp_slurm_cli(cwd: Path, workdir: Path, policy: Path) -> subprocess.Popen:
+    """`rollback-supervisor run` of what run_ddp_slurm runs, with no faults, in the background."""
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.test_ddp import BATCH, STEPS
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    env.pop("ROLLBACK_SUPERVISOR_FAULTS", None)
+    argv = [str(CLI), "run", "--policy", str(policy), "--lineage", "ddp", "--workdir", str(workdir)]
+    command = ["python", CHARLM, "--steps", str(STEPS), "--eval-every", "20", "--batch-size", str(BATCH)]
+    with open(cwd / "clean.log", "wb") as log:  # a file, not a pipe: nobody reads while the faulted run runs
+        return subprocess.Popen(
+            [*argv, "--stop-grace", "15", "--", *command, "--threads", "1"],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 def test_two_ranks_under_srun_and_torchrun_resume_bit_identically(
     slurm_cluster,  # noqa: F811
     prefect_harness,
@@ -182,10 +242,25 @@ def test_two_ranks_under_srun_and_torchrun_resume_bit_identically(
     from tests.test_ddp import STEPS, load_rank
 
     policy = slurm_policy(tmp_path, nproc_per_node=2)
-    clean = run_ddp_slurm(tmp_path / "clean", policy)
-    assert clean["status"] == "finished", clean
-    result = run_ddp_slurm(tmp_path / "faulted", policy, faults="term@30:rank1,kill@45:rank1")
+    # The clean run is a second supervisor (the CLI) beside the faulted one: its job runs while the faulted
+    # lineage's jobs start, fail and are relaunched, instead of before them all.
+    clean_run = start_ddp_slurm_cli(tmp_path, tmp_path / "clean", policy)
+    try:
+        result = run_ddp_slurm(tmp_path / "faulted", policy, faults="term@30:rank1,kill@45:rank1")
+        clean_run.wait(timeout=600)
+    finally:
+        if clean_run.poll() is None:
+            clean_run.kill()
+            clean_run.wait()
+    assert clean_run.returncode == 0, (tmp_path / "clean.log").read_text(errors="replace")[-3000:]
+    clean_rec = record(tmp_path / "clean", "ddp")
+    assert clean_rec["status"] == "finished", clean_rec["final_reason"]
     assert result["status"] == "finished", result
+    clean = {
+        "final_checkpoint": clean_rec["final_checkpoint"],
+        "tracking_uri": clean_rec["mlflow"]["tracking_uri"],
+        "mlflow_run_id": clean_rec["mlflow"]["run_id"],
+    }
     rec = record(tmp_path / "faulted", "ddp")
     termed, killed, last = rec["segments"]
     assert len({s["slurm_job_id"] for s in rec["segments"]}) == 3
