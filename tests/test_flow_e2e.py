@@ -106,13 +106,14 @@ def test_software_error_fails_and_keeps_best_checkpoint(prefect_harness, tmp_pat
 
 def test_preemption_and_hang_each_resume_from_the_right_checkpoint(prefect_harness, tmp_path: Path):
     # term: SIGTERM to the training -> emergency checkpoint at the step it was at -> exit 75 -> preemption.
-    # hang: alive but silent -> the monitor's hang detector (10 s here, 20 s in fast.yaml; start-up and
-    # checkpoints get 3x) -> stopped -> resume latest. The hung process never reaches a step boundary to act
-    # on the SIGTERM, so it is SIGKILLed after the stop grace, 2 s here (nothing to wait for).
-    policy = tmp_path / "hang-10s.yaml"
+    # hang: alive but silent -> the monitor's hang detector (7 s here, 20 s in fast.yaml; start-up and
+    # checkpoints get 3x, 21 s, where a segment starts and trains 30 steps in 4 s idle) -> stopped -> resume
+    # latest. The hung process never reaches a step boundary to act on the SIGTERM, so it is SIGKILLed after
+    # the stop grace, 2 s here (nothing to wait for).
+    policy = tmp_path / "hang-7s.yaml"
     text = (Path(__file__).parent / "data" / "policies" / "fast.yaml").read_text()
     assert text.count("{type: hang, seconds: 20}") == 1
-    policy.write_text(text.replace("{type: hang, seconds: 20}", "{type: hang, seconds: 10}"))
+    policy.write_text(text.replace("{type: hang, seconds: 20}", "{type: hang, seconds: 7}"))
     result = run_flow(tmp_path, steps=70, faults="term@30,hang@50", policy=policy, stop_grace_seconds=2)
     assert result["status"] == "finished", result
     rec = record(tmp_path)
@@ -126,7 +127,7 @@ def test_preemption_and_hang_each_resume_from_the_right_checkpoint(prefect_harne
     # The hang at step 50 loses the steps since the last periodic checkpoint (40), no more.
     assert rec["segments"][2]["restore"]["checkpoint_id"].startswith("0000000040-")
     assert rec["segments"][1]["signal_sent"] is not None  # we stopped the hung process ourselves
-    assert rec["segments"][1]["event"]["evidence"]["timeout_seconds"] == 10  # the policy's limit applied
+    assert rec["segments"][1]["event"]["evidence"]["timeout_seconds"] == 7  # the policy's limit applied
     hang = _rows(result, event="hang")
     assert len(hang) == 1 and hang[0]["action"] == "resume"
 
