@@ -44,7 +44,8 @@ STEPS = 60
 KILL_AFTER_STEP = 40  # the fast policy checkpoints every 20 steps: kill once step 40 is committed
 CLI = Path(sys.executable).with_name("rollback-supervisor")
 SPOT_POLICY = REPO / "tests" / "data" / "policies" / "spot.yaml"  # fast.yaml with a startup-proof hang limit
-#: The CLI has no --lease-ttl, so a SIGKILLed supervisor's lease lives out its default 60 s TTL.
+#: The most the resume may wait for the killed supervisor's lease. It waits for nothing in practice: a lease whose
+#: holder's process is dead on this host is taken over at once; a holder elsewhere would be waited out (60 s TTL).
 LEASE_WAIT = 90.0
 START_TIMEOUT = 420.0  # a cold ephemeral Prefect server plus 40 steps, on 2 busy cores
 
@@ -290,7 +291,6 @@ def sigkilled(prefect_harness, tmp_path_factory) -> Killed:
             lease_after_kill=json.loads((lineage_dir / "lease.json").read_text()),
             cli_pid=proc.pid,
         )
-        # The reference run also gives the dead supervisor's lease time to expire.
         case.ref = reference_run(tmp_path_factory)
         case.result = run_flow(
             work, steps=STEPS, policy=SPOT_POLICY, lineage=lineage, lease_wait_seconds=LEASE_WAIT
