@@ -25,7 +25,7 @@ QUIET = {
     "GIT_PYTHON_REFRESH": "quiet",
 }
 PREFECT = [sys.executable, "-m", "prefect"]
-WORKER_QUERY_SECONDS = 0.5
+WORKER_QUERY_SECONDS = 1
 
 
 class PrefectServer:
@@ -98,7 +98,7 @@ class PrefectServer:
             raise RuntimeError(f"`prefect {' '.join(args)}` exited {proc.returncode}:\n{output[-4000:]}")
         return output
 
-    def wait_flow_run(self, flow_run_id: str, timeout: float, poll: float = 0.25) -> dict[str, Any]:
+    def wait_flow_run(self, flow_run_id: str, timeout: float, poll: float = 1.0) -> dict[str, Any]:
         """Poll the API until the flow run reaches a final state; returns the flow run as JSON."""
         final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
         deadline = time.monotonic() + timeout
@@ -119,29 +119,24 @@ class ProcessWorker:
         self.proc: subprocess.Popen | None = None
         self.log = self.root / "worker.log"
 
-    def start(self, timeout: float = 60, *, wait: bool = True) -> ProcessWorker:
-        """Start the worker; with `wait`, return once the server lists it online (else see `wait_online`)."""
+    def start(self, timeout: float = 60) -> ProcessWorker:
         cmd = [*PREFECT, "worker", "start", "--pool", self.pool, "--type", "process", "--limit", "1"]
         self.proc = subprocess.Popen(
             cmd,
             cwd=self.cwd,
-            # Poll for scheduled flow runs twice a second, not every 10 s (the default): each run waited ~5 s.
+            # Poll for scheduled flow runs every second, not every 10 s (the default): each run waited ~5 s.
             env=self.server.env(PREFECT_WORKER_QUERY_SECONDS=str(WORKER_QUERY_SECONDS)),
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        return self.wait_online(timeout) if wait else self
-
-    def wait_online(self, timeout: float = 60) -> ProcessWorker:
-        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
         while not self.online():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"worker did not come online within {timeout}s; log:\n{self.log_tail()}")
-            time.sleep(0.2)
+            time.sleep(0.5)
         return self
 
     def online(self) -> bool:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,7 +15,6 @@ from typing import Any
 
 import psutil
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
@@ -29,12 +27,10 @@ AUTOMATION_YAML = REPO / "deployments" / "resume-on-crash.yaml"
 ZOMBIE_YAML = REPO / "deployments" / "crash-zombies.yaml"
 DEPLOYMENT = "supervised-training/charlm-palm-spike"
 POOL = "training"  # the pool named in prefect.yaml
-#: Two checkpoints (20, 40): a crash after the first resumes from it, a NaN after it rolls back to it.
-STEPS = 40
-COMMAND = f"python examples/charlm.py --steps {STEPS} --eval-every 20"  # relative: resolves in the checkout
+COMMAND = "python examples/charlm.py --steps 60 --eval-every 20"  # relative: only resolves in the checkout
 
 # Checkpoints every 20 steps, resumes in place after infrastructure faults; nothing that a healthy
-# run of STEPS steps could trip.
+# 60-step run could trip.
 TEST_POLICY = """\
 version: 1
 name: deploy-test
@@ -69,19 +65,11 @@ class Stack:
     server: PrefectServer
     worker: ProcessWorker
 
-    def run(self, tmp_path: Path, lineage: str, *, cli: bool = True) -> tuple[str, Path]:
-        """Trigger the deployment on the example with a test policy; returns (flow run id, workdir).
-
-        With `cli` through `prefect deployment run` (as a user would); else with the API call that command
-        makes (a flow run from the deployment, its parameters merged into the deployment's), without the
-        seconds the CLI takes to start.
-        """
+    def run(self, tmp_path: Path, lineage: str) -> tuple[str, Path]:
+        """Trigger the deployment on the example with a test policy; returns (flow run id, workdir)."""
         policy = tmp_path / "policy.yaml"
         policy.write_text(TEST_POLICY)
         workdir = tmp_path / "rollback"
-        if not cli:
-            params = {"command": COMMAND, "policy": str(policy), "lineage": lineage, "workdir": str(workdir)}
-            return self.create_flow_run({**params, "stop_grace_seconds": 10}), workdir
         out = self.server.cli(
             "deployment", "run", DEPLOYMENT,
             "--param", f"command={COMMAND}",
@@ -93,12 +81,6 @@ class Stack:
         match = UUID_RE.search(out.split("UUID", 1)[-1])
         assert match, out
         return match.group(0), workdir
-
-    def create_flow_run(self, parameters: dict[str, Any]) -> str:
-        """A scheduled flow run of DEPLOYMENT (POST /deployments/{id}/create_flow_run); its id."""
-        deployment = self.server.get(f"/deployments/name/{DEPLOYMENT}")
-        run = self.server.post(f"/deployments/{deployment['id']}/create_flow_run", {"parameters": parameters})
-        return run["id"]
 
     def diagnostics(self, workdir: Path, lineage: str) -> str:
         parts = [f"--- worker log ---\n{self.worker.log_tail()}"]
@@ -121,13 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     captured: list[psutil.Process] = []
     try:
         server.start()
-        # The pool as `prefect work-pool create POOL --type process` makes it (the process worker's default job
-        # template), through the API: the worker then starts while `prefect deploy` runs, not after it.
-        from prefect.workers.process import ProcessWorker as PrefectProcessWorker
-
-        template = PrefectProcessWorker.get_default_base_job_template()
-        server.post("/work_pools/", {"name": POOL, "type": "process", "base_job_template": template})
-        worker.start(wait=False)
+        server.cli("work-pool", "create", POOL, "--type", "process")
         server.cli(
             # By name: --all would also need the kubernetes pool of charlm-k8s-spot (prefect refuses a
             # deployment whose pool does not exist).
@@ -135,7 +111,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
             "--name", "charlm-palm-spike", "--name", "charlm-slurm",
             cwd=REPO, ROLLBACK_SUPERVISOR_REPO=str(REPO),
         )  # fmt: skip
-        worker.wait_online()
+        worker.start()
         yield Stack(server, worker)
     finally:
         captured = descendants(worker.proc, server.proc)
@@ -175,9 +151,9 @@ def test_deploy_from_prefect_yaml_and_run_the_example_to_completion(stack: Stack
 
     record = _record(workdir, lineage)
     assert record["status"] == "finished", record["final_reason"]
-    assert record["final_checkpoint"].startswith(f"{STEPS:010d}-")
+    assert record["final_checkpoint"].startswith("0000000060-")
     assert record["mlflow"]["tracking_uri"] == f"sqlite:///{workdir / 'mlflow.db'}"
-    assert [step for step, _ in _metric_steps(record, "loss")] == list(range(1, STEPS + 1))
+    assert [step for step, _ in _metric_steps(record, "loss")] == list(range(1, 61))
     client = MlflowClient(tracking_uri=record["mlflow"]["tracking_uri"])
     assert client.get_run(record["mlflow"]["run_id"]).info.status == "FINISHED"
 
@@ -208,22 +184,11 @@ def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(sta
     assert text.count(SCHEDULE_AFTER[0]) == 1, "resume-on-crash.yaml's schedule_after changed"
     automation = tmp_path / AUTOMATION_YAML.name
     automation.write_text(text.replace(*SCHEDULE_AFTER))
-    # The README installs both; the two CLI calls run side by side (each spends seconds starting up).
-    with ThreadPoolExecutor(2) as pool:
-        created = [
-            pool.submit(stack.server.cli, "automation", "create", "--from-file", str(path))
-            for path in (automation, ZOMBIE_YAML)
-        ]
-        for future in created:
-            future.result()
-    names = {a["name"] for a in stack.server.post("/automations/filter")}
-    for path in (automation, ZOMBIE_YAML):
-        data = yaml.safe_load(path.read_text())
-        for spec in data.get("automations", [data]):
-            assert spec["name"] in names, (spec["name"], names)
+    stack.server.cli("automation", "create", "--from-file", str(automation))
+    stack.server.cli("automation", "create", "--from-file", str(ZOMBIE_YAML))  # the README installs both
     lineage = "crash-e2e"
     earlier = {r["id"] for r in stack.server.post("/flow_runs/filter")}  # runs of other tests on this server
-    first_id, workdir = stack.run(tmp_path, lineage, cli=False)  # the first test runs it through the CLI
+    first_id, workdir = stack.run(tmp_path, lineage)
     _wait_heartbeat_step(stack, first_id, workdir, lineage, 25)  # past the checkpoint at step 20
 
     # The machine is lost: the flow-run process and its training segment die at once, with no warning.
@@ -241,7 +206,7 @@ def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(sta
         others := [r for r in stack.server.post("/flow_runs/filter") if r["id"] not in {first_id, *earlier}]
     ):
         assert time.monotonic() < deadline, f"the Automation started no new run\n{stack.worker.log_tail()}"
-        time.sleep(0.25)
+        time.sleep(1)
     second = others[0]
     assert second["deployment_id"] == first["deployment_id"]
     assert second["parameters"] == first["parameters"]
@@ -252,12 +217,12 @@ def test_automation_on_crashed_reruns_the_deployment_and_resumes_the_lineage(sta
     assert record["status"] == "finished", record["final_reason"]
     assert [s["outcome"] for s in record["segments"]] == ["interrupted", "finished"]
     assert record["segments"][0]["event"]["type"] == "preemption"
-    assert record["final_checkpoint"].startswith(f"{STEPS:010d}-")
+    assert record["final_checkpoint"].startswith("0000000060-")
     restored = [int(value) for step, value in _metric_steps(record, "rollback.restored_step") if step > 0]
     assert restored and restored[-1] >= 20, "the resumed run started from scratch, not from a checkpoint"
     # The resumed segment logs every step after its checkpoint into the same MLflow run.
     steps = {step for step, _ in _metric_steps(record, "loss")}
-    assert set(range(restored[-1] + 1, STEPS + 1)) <= steps and max(steps) == STEPS
+    assert set(range(restored[-1] + 1, 61)) <= steps and max(steps) == 60
 
 
 NOTIFY_POLICY = """\
@@ -332,14 +297,23 @@ def test_notify_automation_posts_each_rollback_to_the_webhook(stack: Stack, tmp_
         policy.write_text(NOTIFY_POLICY)
         workdir = tmp_path / "rollback"
         params = {"stop_grace_seconds": 10, "env": {"ROLLBACK_SUPERVISOR_FAULTS": "nan@30"}}
-        params.update(command=COMMAND, policy=str(policy), lineage=lineage, workdir=str(workdir))
-        flow_run_id = stack.create_flow_run(params)  # the first test triggers runs through the CLI
+        out_text = stack.server.cli(
+            "deployment", "run", DEPLOYMENT,
+            "--param", f"command={COMMAND}",
+            "--param", f"policy={policy}",
+            "--param", f"lineage={lineage}",
+            "--param", f"workdir={workdir}",
+            "--params", json.dumps(params),
+        )  # fmt: skip
+        match = UUID_RE.search(out_text.split("UUID", 1)[-1])
+        assert match, out_text
+        flow_run_id = match.group(0)
         done = stack.server.wait_flow_run(flow_run_id, timeout=400)
         assert done["state"]["type"] == "COMPLETED", f"{done['state']}\n{stack.diagnostics(workdir, lineage)}"
         deadline = time.monotonic() + 60
         while not bodies:
             assert time.monotonic() < deadline, "the Automation posted nothing to the webhook"
-            time.sleep(0.25)
+            time.sleep(0.5)
     finally:
         hook.shutdown()
         hook.server_close()
