@@ -651,6 +651,7 @@ def _let_gloo_threads_finish() -> None:
     The Trainer's last all_gather (its FLOs count, just before `on_train_end`) is freed on a gloo thread, and
     freeing its tensors takes the GIL. When the DDP model is destroyed as SystemExit unwinds, its Reducer drops
     the group with the GIL held, and the group's destructor joins that thread: a deadlock (pytorch#56297) in
-    which the rank never exits. Sleeping releases the GIL, so a thread still freeing gets it and finishes.
+    which the rank never exits. Sleeping releases the GIL, so a thread still freeing can take it and finish:
+    this narrows the window, it cannot close it (the destructor is torch's).
     """
     time.sleep(GLOO_SETTLE_SECONDS)
